@@ -1,0 +1,327 @@
+//! The steps a storage system implements to serve as a lock backend.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::BackendError;
+use crate::notify::ReleaseWatch;
+
+/// A backend behind a `dyn`, as [`Locker`](crate::Locker) holds it.
+pub type DynLockBackend = dyn LockBackend;
+
+/// The longest key, in bytes, that the driver accepts unless a backend
+/// declares a lower limit in [`Capabilities::max_key_len`].
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// The value that marks a lock as held by one acquisition: `<node id>/<32 hex>`.
+///
+/// The 32 hex digits are 128 random bits, drawn anew for every acquisition,
+/// so that no other client can release or extend the lock by guessing.
+/// `Debug` prints the node id only.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct OwnerToken(Arc<str>);
+
+impl OwnerToken {
+    /// Draws a new token for `node_id`.
+    pub fn new(node_id: &str) -> Self {
+        Self(format!("{node_id}/{:032x}", rand::random::<u128>()).into())
+    }
+
+    /// Wraps a value read back from a backend, such as one written by another
+    /// client of the same wire format.
+    pub fn from_value(value: impl Into<Arc<str>>) -> Self {
+        Self(value.into())
+    }
+
+    /// The whole value, as a backend stores it.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The node id part of the value.
+    pub fn node_id(&self) -> &str {
+        self.0.rsplit_once('/').map_or(&self.0, |(node, _)| node)
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerToken({}/…)", self.node_id())
+    }
+}
+
+/// One acquisition of a key: the key, the owner token that holds it and the
+/// fencing token it was given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    key: Arc<str>,
+    owner: OwnerToken,
+    fencing_token: u64,
+}
+
+impl Lease {
+    /// Describes an acquisition. Backends compare `key` and `owner` only; the
+    /// fencing token is carried for the caller.
+    pub fn new(key: impl Into<Arc<str>>, owner: OwnerToken, fencing_token: u64) -> Self {
+        Self {
+            key: key.into(),
+            owner,
+            fencing_token,
+        }
+    }
+
+    /// The locked key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The key, shared.
+    pub fn key_arc(&self) -> &Arc<str> {
+        &self.key
+    }
+
+    /// The token that holds the key.
+    pub fn owner(&self) -> &OwnerToken {
+        &self.owner
+    }
+
+    /// The fencing token this acquisition was given.
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+}
+
+/// What one acquisition attempt found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcquireOutcome {
+    /// The key is now held by the owner token.
+    Acquired {
+        /// Strictly greater than every token given before for this key.
+        fencing_token: u64,
+    },
+    /// Another owner holds the key. Not an error.
+    Busy,
+}
+
+/// What one extension found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtendOutcome {
+    /// The key was still held by the lease and now expires `ttl` from now.
+    Extended,
+    /// The key no longer exists: it expired or was deleted.
+    Expired,
+    /// Another owner holds the key.
+    Taken,
+}
+
+/// What one release found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// The key was held by the lease and is now free.
+    Released,
+    /// The key was not held by the lease; nothing changed.
+    NotHeld,
+}
+
+/// One lease to extend, with its ttl, for [`LockBackend::extend_many`].
+#[derive(Clone, Debug)]
+pub struct ExtendRequest {
+    /// The lease to extend.
+    pub lease: Lease,
+    /// The new time to live, from the moment the backend applies it.
+    pub ttl: Duration,
+}
+
+/// What a backend can do beyond the required steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// [`LockBackend::watch_release`] gives real notifications. When false
+    /// the driver never calls it and waits on its retry timer alone.
+    ///
+    /// Default: `false`.
+    pub release_notifications: bool,
+    /// The longest key the backend stores, in bytes.
+    ///
+    /// Default: [`MAX_KEY_LEN`].
+    pub max_key_len: usize,
+    /// How many leases one [`LockBackend::extend_many`] call may carry.
+    ///
+    /// Default: `1`.
+    pub max_extend_batch: usize,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self {
+            release_notifications: false,
+            max_key_len: MAX_KEY_LEN,
+            max_extend_batch: 1,
+        }
+    }
+}
+
+impl Capabilities {
+    /// Sets [`Capabilities::release_notifications`].
+    #[must_use]
+    pub fn with_release_notifications(mut self, yes: bool) -> Self {
+        self.release_notifications = yes;
+        self
+    }
+
+    /// Sets [`Capabilities::max_key_len`].
+    #[must_use]
+    pub fn with_max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// Sets [`Capabilities::max_extend_batch`] (at least 1).
+    #[must_use]
+    pub fn with_max_extend_batch(mut self, n: usize) -> Self {
+        self.max_extend_batch = n.max(1);
+        self
+    }
+}
+
+/// The atomic steps of a lock store.
+///
+/// A backend implements single steps; everything with a timer or a policy
+/// (retries, waiting, extension, lost-lock racing, reentrancy, shutdown)
+/// lives once, in [`Locker`](crate::Locker).
+///
+/// # Contract
+///
+/// - A backend never sleeps, never retries and never spawns a renewal task:
+///   each method is one attempt at one step, and a failure is returned as a
+///   [`BackendError`] for the driver to act on.
+/// - `try_acquire` takes the key only if nobody holds it (or its holder's
+///   ttl has run out), gives it to `owner` for `ttl`, and returns a fencing
+///   token strictly greater than every token given before for that key, by
+///   any owner. A held key is [`AcquireOutcome::Busy`], not an error.
+/// - `extend` and `extend_many` reset the expiry to `ttl` from now only if
+///   the key is still held by the lease's owner token. They never create a
+///   key that is missing.
+/// - `release` frees the key only if it is still held by the lease's owner
+///   token, says whether it was, and is idempotent.
+/// - `extend`, `extend_many` and `release` compare the key and the owner
+///   token only. The driver may pass a lease whose fencing token is `0` when
+///   it cleans up after an attempt whose answer it never saw.
+/// - A step by an owner that no longer holds the key never changes the key.
+/// - Keys are opaque: any non-empty string up to
+///   [`Capabilities::max_key_len`] bytes works, including spaces, unicode,
+///   braces, glob and SQL metacharacters.
+/// - Release notifications are optional and declared in
+///   [`Capabilities::release_notifications`]. A backend that offers them
+///   must have its subscription in place when `watch_release` returns, so
+///   that a release after that moment is never missed; after a reconnect of
+///   its subscription it wakes every watch, since it may have missed some.
+///
+/// # Cancel safety
+///
+/// The driver may drop any of these futures. A backend must then leave
+/// nothing half-done that a later call with the same lease cannot undo: a
+/// dropped `try_acquire` may have taken the key (the driver releases it with
+/// the same owner token), a dropped `extend` or `release` may or may not have
+/// been applied. The driver polls each acquisition and release to its end in
+/// a task of its own once it needed more than one poll, so a dropped
+/// `with_lock` never strands a lock.
+#[async_trait]
+pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
+    /// What this backend can do beyond the required steps.
+    fn capabilities(&self) -> Capabilities;
+
+    /// One attempt to take `key` for `owner`, expiring `ttl` from now.
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError>;
+
+    /// Resets the expiry of `lease` to `ttl` from now, if it still holds its key.
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError>;
+
+    /// Extends many leases of this node, in one round trip where the store
+    /// allows it. Returns one outcome per request, in order. The driver sends
+    /// at most [`Capabilities::max_extend_batch`] requests per call.
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError>;
+
+    /// Frees the key of `lease`, if it still holds it.
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError>;
+
+    /// A watch that wakes when `key` may have become free. Called only when
+    /// [`Capabilities::release_notifications`] is true; other backends return
+    /// [`ReleaseWatch::never`].
+    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError>;
+}
+
+macro_rules! forward_backend {
+    ($ty:ty) => {
+        #[async_trait]
+        impl<T: LockBackend + ?Sized> LockBackend for $ty {
+            fn capabilities(&self) -> Capabilities {
+                (**self).capabilities()
+            }
+
+            async fn try_acquire(
+                &self,
+                key: &str,
+                owner: &OwnerToken,
+                ttl: Duration,
+            ) -> Result<AcquireOutcome, BackendError> {
+                (**self).try_acquire(key, owner, ttl).await
+            }
+
+            async fn extend(
+                &self,
+                lease: &Lease,
+                ttl: Duration,
+            ) -> Result<ExtendOutcome, BackendError> {
+                (**self).extend(lease, ttl).await
+            }
+
+            async fn extend_many(
+                &self,
+                requests: &[ExtendRequest],
+            ) -> Result<Vec<ExtendOutcome>, BackendError> {
+                (**self).extend_many(requests).await
+            }
+
+            async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+                (**self).release(lease).await
+            }
+
+            async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+                (**self).watch_release(key).await
+            }
+        }
+    };
+}
+
+forward_backend!(Arc<T>);
+forward_backend!(Box<T>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owner_token_has_node_id_and_128_random_bits() {
+        let a = OwnerToken::new("node-a");
+        let b = OwnerToken::new("node-a");
+        assert_ne!(a, b);
+        let (node, hex) = a.as_str().rsplit_once('/').unwrap();
+        assert_eq!(node, "node-a");
+        assert_eq!(hex.len(), 32);
+        assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_eq!(a.node_id(), "node-a");
+        assert!(!format!("{a:?}").contains(hex));
+    }
+}

@@ -1,0 +1,257 @@
+//! Per-call and per-locker settings, as plain data with documented defaults.
+
+use std::time::Duration;
+
+use crate::error::InvalidInput;
+
+/// The shortest ttl accepted: below it an extension every `ttl / 3` has too
+/// little time to reach the backend and come back.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
+/// The longest ttl accepted (7 days).
+pub const MAX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The longest retry delay accepted (1 hour).
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(3600);
+
+/// How many attempts follow the first one while the key is held elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryAttempts {
+    /// At most this many more attempts; `Limited(0)` is a single attempt.
+    Limited(u32),
+    /// Wait as long as it takes.
+    Unlimited,
+}
+
+impl From<u32> for RetryAttempts {
+    fn from(n: u32) -> Self {
+        Self::Limited(n)
+    }
+}
+
+/// How one `with_lock` call acquires and holds its lock.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_core::LockConfig;
+///
+/// let refuse_if_busy = LockConfig::default().retry_attempts(0);
+/// let wait_forever = LockConfig::default().wait_forever();
+/// let short = LockConfig::default().ttl(Duration::from_secs(5));
+/// # assert!(refuse_if_busy.validate().is_ok() && wait_forever.validate().is_ok() && short.validate().is_ok());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockConfig {
+    /// How long the lock lives without an extension. The driver extends it
+    /// about every `ttl / 3` while the callback runs, so it only matters
+    /// when this node stops extending (a crash, a stalled process).
+    ///
+    /// Default: 30 s. Range: [`MIN_TTL`] to [`MAX_TTL`].
+    pub ttl: Duration,
+    /// Attempts after the first while the key is held elsewhere.
+    ///
+    /// Default: `Limited(10)`, so a call gives up after 11 attempts, about 2 s.
+    pub retry_attempts: RetryAttempts,
+    /// Time between two counted attempts. A release notification triggers an
+    /// extra attempt at once, which does not count.
+    ///
+    /// Default: 200 ms. At most [`MAX_RETRY_DELAY`]; zero only with limited attempts.
+    pub retry_delay: Duration,
+}
+
+impl Default for LockConfig {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(30),
+            retry_attempts: RetryAttempts::Limited(10),
+            retry_delay: Duration::from_millis(200),
+        }
+    }
+}
+
+impl LockConfig {
+    /// Sets [`LockConfig::ttl`]. Defaults to 30 s.
+    #[must_use]
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets [`LockConfig::retry_attempts`] to a limit. Defaults to 10.
+    #[must_use]
+    pub fn retry_attempts(mut self, n: u32) -> Self {
+        self.retry_attempts = RetryAttempts::Limited(n);
+        self
+    }
+
+    /// Waits as long as it takes ([`RetryAttempts::Unlimited`]).
+    #[must_use]
+    pub fn wait_forever(mut self) -> Self {
+        self.retry_attempts = RetryAttempts::Unlimited;
+        self
+    }
+
+    /// Sets [`LockConfig::retry_delay`]. Defaults to 200 ms.
+    #[must_use]
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// Checks the config, as every call does before touching the backend.
+    pub fn validate(&self) -> Result<(), InvalidInput> {
+        validate_ttl(self.ttl)?;
+        if self.retry_delay > MAX_RETRY_DELAY {
+            return Err(InvalidInput::RetryDelayTooLong {
+                delay: self.retry_delay,
+                max: MAX_RETRY_DELAY,
+            });
+        }
+        if self.retry_delay.is_zero() && self.retry_attempts == RetryAttempts::Unlimited {
+            return Err(InvalidInput::ZeroDelayUnlimited);
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn validate_ttl(ttl: Duration) -> Result<(), InvalidInput> {
+    if ttl.is_zero() {
+        return Err(InvalidInput::ZeroTtl);
+    }
+    if ttl < MIN_TTL {
+        return Err(InvalidInput::TtlTooShort { ttl, min: MIN_TTL });
+    }
+    if ttl > MAX_TTL {
+        return Err(InvalidInput::TtlTooLong { ttl, max: MAX_TTL });
+    }
+    Ok(())
+}
+
+pub(crate) fn validate_key(key: &str, max: usize) -> Result<(), InvalidInput> {
+    if key.is_empty() {
+        return Err(InvalidInput::EmptyKey);
+    }
+    if key.len() > max {
+        return Err(InvalidInput::KeyTooLong {
+            len: key.len(),
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Settings of one [`Locker`](crate::Locker), that is of one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockerOptions {
+    /// The node id written into every owner token (`<node id>/<32 hex>`),
+    /// so that an operator can tell which node holds a key.
+    ///
+    /// Default: `None`, which draws `withlock-<pid>-<8 hex>`.
+    pub node_id: Option<String>,
+    /// How long [`Locker::shutdown`](crate::Locker::shutdown) waits for the
+    /// releases of the locks still held after its grace period.
+    ///
+    /// Default: 1 s.
+    pub release_timeout: Duration,
+}
+
+impl Default for LockerOptions {
+    fn default() -> Self {
+        Self {
+            node_id: None,
+            release_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl LockerOptions {
+    /// Sets [`LockerOptions::node_id`]. Defaults to a drawn id.
+    #[must_use]
+    pub fn node_id(mut self, id: impl Into<String>) -> Self {
+        self.node_id = Some(id.into());
+        self
+    }
+
+    /// Sets [`LockerOptions::release_timeout`]. Defaults to 1 s.
+    #[must_use]
+    pub fn release_timeout(mut self, timeout: Duration) -> Self {
+        self.release_timeout = timeout;
+        self
+    }
+
+    pub(crate) fn resolved_node_id(&self) -> Result<String, InvalidInput> {
+        match &self.node_id {
+            Some(id) if id.is_empty() || id.len() > 128 || id.chars().any(char::is_control) => {
+                Err(InvalidInput::InvalidNodeId)
+            }
+            Some(id) => Ok(id.clone()),
+            None => Ok(format!(
+                "withlock-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let c = LockConfig::default();
+        assert_eq!(c.ttl, Duration::from_secs(30));
+        assert_eq!(c.retry_attempts, RetryAttempts::Limited(10));
+        assert_eq!(c.retry_delay, Duration::from_millis(200));
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let c = LockConfig::default();
+        assert_eq!(c.ttl(Duration::ZERO).validate(), Err(InvalidInput::ZeroTtl));
+        assert!(matches!(
+            c.ttl(Duration::from_millis(99)).validate(),
+            Err(InvalidInput::TtlTooShort { .. })
+        ));
+        assert!(matches!(
+            c.ttl(MAX_TTL + Duration::from_secs(1)).validate(),
+            Err(InvalidInput::TtlTooLong { .. })
+        ));
+        assert_eq!(
+            c.retry_delay(Duration::ZERO).wait_forever().validate(),
+            Err(InvalidInput::ZeroDelayUnlimited)
+        );
+        assert!(c
+            .retry_delay(Duration::ZERO)
+            .retry_attempts(3)
+            .validate()
+            .is_ok());
+        assert!(matches!(
+            c.retry_delay(MAX_RETRY_DELAY * 2).validate(),
+            Err(InvalidInput::RetryDelayTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn keys_are_opaque_but_bounded() {
+        assert_eq!(validate_key("", 10), Err(InvalidInput::EmptyKey));
+        assert!(validate_key("a b {x} * : ' \" ; é", 100).is_ok());
+        assert_eq!(
+            validate_key("abc", 2),
+            Err(InvalidInput::KeyTooLong { len: 3, max: 2 })
+        );
+    }
+
+    #[test]
+    fn node_ids_are_checked() {
+        assert!(LockerOptions::default().resolved_node_id().is_ok());
+        assert_eq!(
+            LockerOptions::default().node_id("").resolved_node_id(),
+            Err(InvalidInput::InvalidNodeId)
+        );
+        assert_eq!(
+            LockerOptions::default().node_id("a\nb").resolved_node_id(),
+            Err(InvalidInput::InvalidNodeId)
+        );
+    }
+}

@@ -1,0 +1,269 @@
+//! The errors of withlock.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything `with_lock` and the lower-level APIs can fail with.
+///
+/// | variant | the callback ran? | what to do |
+/// |---|---|---|
+/// | [`NotAcquired`](Self::NotAcquired) | no | the key is busy elsewhere, or the backend failed on every attempt |
+/// | [`Lost`](Self::Lost) | yes, and may still run | do not perform authoritative side effects for this key any more |
+/// | [`InvalidInput`](Self::InvalidInput) | no | fix the key or the config; nothing was touched |
+/// | [`Backend`](Self::Backend) | (low-level calls only) | a single backend step failed |
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Acquisition failed after every attempt. The callback did not run.
+    #[error(
+        "lock on key {key:?} not acquired after {attempts} attempt(s); the callback did not run"
+    )]
+    NotAcquired {
+        /// The key asked for.
+        key: String,
+        /// Attempts counted against the budget (`retry_attempts + 1` when the
+        /// budget ran out).
+        attempts: u32,
+        /// The last backend error, when the last attempt failed on one rather
+        /// than finding the key busy.
+        #[source]
+        source: Option<BackendError>,
+    },
+    /// The lock was lost while the callback ran. The error is returned as
+    /// soon as the loss is detected; the cause says why.
+    #[error("lock on key {key:?} lost while the callback ran")]
+    Lost {
+        /// The key that was held.
+        key: String,
+        /// Why the lock was lost.
+        #[source]
+        cause: LossCause,
+    },
+    /// The key or the config is not acceptable. Nothing was touched.
+    #[error(transparent)]
+    InvalidInput(#[from] InvalidInput),
+    /// A single backend step of the low-level [`LockHandle`](crate::LockHandle)
+    /// or the deprecated `Mutex` failed.
+    #[error("backend step on key {key:?} failed")]
+    Backend {
+        /// The key of the step.
+        key: String,
+        /// The backend's error.
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl LockError {
+    /// Whether the callback (or the critical section) started before the
+    /// error: false for [`NotAcquired`](Self::NotAcquired) and
+    /// [`InvalidInput`](Self::InvalidInput).
+    pub fn callback_started(&self) -> bool {
+        matches!(self, Self::Lost { .. })
+    }
+
+    /// The key was busy (or the backend failing) on every attempt.
+    pub fn is_not_acquired(&self) -> bool {
+        matches!(self, Self::NotAcquired { .. })
+    }
+
+    /// The lock was lost while held.
+    pub fn is_lost(&self) -> bool {
+        matches!(self, Self::Lost { .. })
+    }
+
+    /// Why the lock was lost, for [`Lost`](Self::Lost).
+    pub fn loss_cause(&self) -> Option<&LossCause> {
+        match self {
+            Self::Lost { cause, .. } => Some(cause),
+            _ => None,
+        }
+    }
+}
+
+/// Why a held lock was lost.
+#[derive(Clone, Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LossCause {
+    /// The key had expired (or was deleted) when the driver went to extend it.
+    #[error("the key expired before it was extended")]
+    Expired,
+    /// Another owner held the key when the driver went to extend it.
+    #[error("another owner took the key")]
+    Taken,
+    /// Extensions failed on backend errors until the lock's validity ran
+    /// out; the source is the last error.
+    #[error("extension failed on backend errors until the lock's validity ran out")]
+    Backend(#[source] BackendError),
+    /// The locker shut down and released the lock.
+    #[error("the locker shut down and released the lock")]
+    Shutdown,
+}
+
+/// The kind of a [`BackendError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendErrorKind {
+    /// The store could not be reached or the request failed.
+    Request,
+    /// The step did not finish in the time the driver could give it.
+    Timeout,
+    /// The store answered something the backend does not understand.
+    Protocol,
+}
+
+/// An error of a backend step, keeping the store's own error as its source.
+///
+/// Cheap to clone: a lost lock hands the same error to every observer.
+#[derive(Clone)]
+pub struct BackendError {
+    kind: BackendErrorKind,
+    source: Arc<dyn StdError + Send + Sync>,
+}
+
+impl BackendError {
+    /// A failed request, wrapping the store's error.
+    pub fn request(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::new(BackendErrorKind::Request, source)
+    }
+
+    /// An error of the given kind, wrapping the store's error.
+    pub fn new(kind: BackendErrorKind, source: impl StdError + Send + Sync + 'static) -> Self {
+        Self {
+            kind,
+            source: Arc::new(source),
+        }
+    }
+
+    /// An error described by a message only.
+    pub fn message(kind: BackendErrorKind, message: impl Into<String>) -> Self {
+        Self::new(kind, Message(message.into()))
+    }
+
+    /// A step that did not finish within `after`.
+    pub fn timeout(step: &'static str, after: Duration) -> Self {
+        Self::message(
+            BackendErrorKind::Timeout,
+            format!("{step} did not finish within {after:?}"),
+        )
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> BackendErrorKind {
+        self.kind
+    }
+
+    /// Whether the step timed out.
+    pub fn is_timeout(&self) -> bool {
+        self.kind == BackendErrorKind::Timeout
+    }
+
+    /// The store's error, to downcast.
+    pub fn inner(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.source
+    }
+}
+
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendError")
+            .field("kind", &self.kind)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            BackendErrorKind::Request => "lock backend request failed",
+            BackendErrorKind::Timeout => "lock backend step timed out",
+            BackendErrorKind::Protocol => "lock backend gave an unexpected answer",
+        };
+        f.write_str(what)
+    }
+}
+
+impl StdError for BackendError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Message(String);
+
+/// Input that `with_lock`, a handle or a config refused, touching nothing.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidInput {
+    /// The key is the empty string.
+    #[error("the lock key is empty")]
+    EmptyKey,
+    /// The key is longer than the backend accepts.
+    #[error("the lock key is {len} bytes long; the maximum is {max}")]
+    KeyTooLong {
+        /// The key's length in bytes.
+        len: usize,
+        /// The maximum, in bytes.
+        max: usize,
+    },
+    /// The ttl is zero.
+    #[error("ttl is zero")]
+    ZeroTtl,
+    /// The ttl is too short for the lock to be extended in time.
+    #[error("ttl {ttl:?} is below the minimum of {min:?}: too short to extend in time")]
+    TtlTooShort {
+        /// The ttl given.
+        ttl: Duration,
+        /// The minimum.
+        min: Duration,
+    },
+    /// The ttl is longer than the maximum.
+    #[error("ttl {ttl:?} is above the maximum of {max:?}")]
+    TtlTooLong {
+        /// The ttl given.
+        ttl: Duration,
+        /// The maximum.
+        max: Duration,
+    },
+    /// A zero retry delay with unlimited attempts would spin on the backend.
+    #[error(
+        "retry_delay is zero with unlimited retry attempts: the wait would spin on the backend"
+    )]
+    ZeroDelayUnlimited,
+    /// The retry delay is longer than the maximum.
+    #[error("retry_delay {delay:?} is above the maximum of {max:?}")]
+    RetryDelayTooLong {
+        /// The delay given.
+        delay: Duration,
+        /// The maximum.
+        max: Duration,
+    },
+    /// The node id is empty, too long or has control characters.
+    #[error("the node id must be 1 to 128 bytes without control characters")]
+    InvalidNodeId,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_error_keeps_its_source_chain() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let err = LockError::Lost {
+            key: "k".into(),
+            cause: LossCause::Backend(BackendError::request(io)),
+        };
+        let cause = err.source().unwrap();
+        assert!(cause.to_string().contains("validity ran out"));
+        let backend = cause.source().unwrap();
+        assert_eq!(backend.to_string(), "lock backend request failed");
+        assert_eq!(backend.source().unwrap().to_string(), "refused");
+        assert!(err.callback_started());
+    }
+}

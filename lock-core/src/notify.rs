@@ -1,0 +1,195 @@
+//! Release notifications: how a waiter learns that a key may have become free.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::watch;
+
+/// Wakes its holder when a key may have become free.
+///
+/// A backend with release notifications makes these with a [`ReleaseHub`];
+/// one without them returns [`ReleaseWatch::never`]. A wake-up is a hint,
+/// never a promise: the driver answers it with one more acquisition attempt.
+pub struct ReleaseWatch {
+    inner: Option<HubWatch>,
+}
+
+struct HubWatch {
+    rx: Option<watch::Receiver<u64>>,
+    key: Arc<str>,
+    hub: Arc<HubShared>,
+}
+
+impl ReleaseWatch {
+    /// A watch that never wakes, for backends without notifications.
+    pub fn never() -> Self {
+        Self { inner: None }
+    }
+
+    /// Resolves at the next notification for the key after the watch was
+    /// made or last resolved.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a notification that arrives while no call is waiting is
+    /// kept for the next call.
+    pub async fn released(&mut self) {
+        let rx = self.inner.as_mut().and_then(|w| w.rx.as_mut());
+        match rx {
+            Some(rx) => {
+                if rx.changed().await.is_err() {
+                    // The hub is gone: from now on only the retry timer wakes.
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+impl fmt::Debug for ReleaseWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            Some(w) => f.debug_struct("ReleaseWatch").field("key", &w.key).finish(),
+            None => f.write_str("ReleaseWatch(never)"),
+        }
+    }
+}
+
+impl Drop for HubWatch {
+    fn drop(&mut self) {
+        let mut map = self.hub.lock();
+        drop(self.rx.take());
+        if map
+            .get(&self.key)
+            .is_some_and(|tx| tx.receiver_count() == 0)
+        {
+            map.remove(&self.key);
+        }
+    }
+}
+
+#[derive(Default)]
+struct HubShared {
+    keys: Mutex<HashMap<Arc<str>, watch::Sender<u64>>>,
+}
+
+impl HubShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, watch::Sender<u64>>> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The per-key fan-out a backend needs for release notifications: the
+/// backend's one subscription calls [`notify`](Self::notify) for each release
+/// it hears of, and every [`ReleaseWatch`] on that key wakes.
+///
+/// Keys nobody watches cost nothing: an entry lives while a watch on it does.
+#[derive(Clone, Default)]
+pub struct ReleaseHub {
+    shared: Arc<HubShared>,
+}
+
+impl ReleaseHub {
+    /// An empty hub.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A watch on `key`; notifications from now on wake it.
+    pub fn watch(&self, key: &str) -> ReleaseWatch {
+        let mut map = self.shared.lock();
+        let rx = match map.get(key) {
+            Some(tx) => tx.subscribe(),
+            None => {
+                let (tx, rx) = watch::channel(0);
+                map.insert(key.into(), tx);
+                rx
+            }
+        };
+        ReleaseWatch {
+            inner: Some(HubWatch {
+                rx: Some(rx),
+                key: key.into(),
+                hub: Arc::clone(&self.shared),
+            }),
+        }
+    }
+
+    /// Wakes every watch on `key`.
+    pub fn notify(&self, key: &str) {
+        if let Some(tx) = self.shared.lock().get(key) {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Wakes every watch on every key, for a subscription that reconnected
+    /// and may have missed notifications.
+    pub fn notify_all(&self) {
+        for tx in self.shared.lock().values() {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Whether anybody watches `key`.
+    pub fn is_watched(&self, key: &str) -> bool {
+        self.shared.lock().contains_key(key)
+    }
+
+    /// How many keys are watched.
+    pub fn watched_keys(&self) -> usize {
+        self.shared.lock().len()
+    }
+}
+
+impl fmt::Debug for ReleaseHub {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReleaseHub")
+            .field("watched_keys", &self.watched_keys())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_notification_wakes_every_watch_of_its_key_only() {
+        let hub = ReleaseHub::new();
+        let mut a = hub.watch("k");
+        let mut b = hub.watch("k");
+        let mut other = hub.watch("other");
+        hub.notify("k");
+        tokio::time::timeout(Duration::from_secs(1), a.released())
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(1), b.released())
+            .await
+            .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), other.released())
+                .await
+                .is_err()
+        );
+        hub.notify_all();
+        tokio::time::timeout(Duration::from_secs(1), other.released())
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn entries_live_as_long_as_their_watches() {
+        let hub = ReleaseHub::new();
+        let a = hub.watch("k");
+        let b = hub.watch("k");
+        assert_eq!(hub.watched_keys(), 1);
+        drop(a);
+        assert!(hub.is_watched("k"));
+        drop(b);
+        assert_eq!(hub.watched_keys(), 0);
+        hub.notify("k");
+    }
+}
