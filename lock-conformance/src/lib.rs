@@ -1,1 +1,219 @@
-pub fn x() {}
+//! The behaviour suite that every withlock backend runs, with the wrappers
+//! it uses to inject faults and count round trips.
+//!
+//! Each behaviour of the contract (the workspace README and `SPEC.md`) has a
+//! case here named after its id, such as
+//! [`cases::h4_fencing_token_increases_across_nodes`]. Several lockers
+//! sharing one backend stand for several nodes. Every case makes its own
+//! random key namespace, so cases run in parallel and never touch data they
+//! did not create.
+//!
+//! # Running the suite
+//!
+//! One line in a test file of the backend's crate makes one `#[test]` per
+//! case, each reporting on its own:
+//!
+//! ```ignore
+//! lock_conformance::conformance_tests!(|| async { my_crate::MyBackend::connect().await });
+//! ```
+//!
+//! The argument is a [`BackendFactory`]: any closure giving a future of a
+//! backend. [`run_all`] runs the same list from inside one async test.
+//!
+//! # Writing a new backend
+//!
+//! 1. Implement [`lock_core::LockBackend`] with `#[lock_core::async_trait]`.
+//!    Each method is one atomic step: `try_acquire` takes a free (or
+//!    expired) key for an owner token and returns a fencing token greater
+//!    than any given before for that key; `extend` and `release` act only if
+//!    the key still carries the lease's owner token, comparing key and owner
+//!    only. Never sleep, retry or spawn in a backend: the driver does that.
+//! 2. Declare what you support in [`lock_core::Capabilities`]. Without
+//!    release notifications, return [`lock_core::ReleaseWatch::never`] from
+//!    `watch_release`; with them, build watches with a
+//!    [`lock_core::ReleaseHub`] and make sure the subscription is in place
+//!    before `watch_release` returns.
+//! 3. Run this suite with [`conformance_tests!`]. `tests/toy_backend.rs` in
+//!    this crate is a complete example: a forty-line backend on a `HashMap`
+//!    that passes every case.
+//!
+//! # Wrappers
+//!
+//! [`FaultInjector`] fails, delays, hangs or lies on demand;
+//! [`CountingBackend`] counts calls. Both wrap any backend, and the suite
+//! passes with either around the memory backend.
+
+pub mod cases;
+mod counting;
+mod faults;
+mod support;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use counting::CountingBackend;
+pub use faults::{is_injected, FaultInjector, InjectedFault, Step};
+pub use support::{
+    assert_free, assert_held, node, once, patient, within, BackendFactory, Namespace, RETRY,
+    SHORT_TTL, SOON,
+};
+
+/// A case as the list holds it.
+pub type CaseFn = fn(Arc<dyn BackendFactory>) -> Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// One case of the suite.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    /// The case's name, starting with its behaviour id.
+    pub name: &'static str,
+    /// Runs the case.
+    pub run: CaseFn,
+}
+
+/// The one list of cases; [`conformance_tests!`] and [`CASES`] both come
+/// from it.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_cases {
+    ($($mode:tt)*) => {
+        $crate::__emit_cases! {
+            [$($mode)*]
+            o1_callback_output_is_returned,
+            o2_panic_releases_then_resumes,
+            o3_not_acquired_says_attempts_and_cause,
+            o4_lost_is_reported_without_waiting_for_callback,
+            o5_bad_input_is_refused_and_touches_nothing,
+            o5_keys_are_opaque,
+            a1_first_attempt_at_once_then_spaced_retries,
+            a2_defaults_give_up_after_eleven_attempts,
+            a3_retry_zero_is_single_attempt,
+            a4_unlimited_waits_as_long_as_it_takes,
+            a5_release_notification_wakes_waiter,
+            a6_local_waiters_queue_without_polling,
+            h1_lock_is_extended_while_callback_runs,
+            h2_stalled_holder_loses_lock_within_ttl,
+            h3_released_when_callback_settles,
+            h4_fencing_token_increases_across_nodes,
+            h5_stale_owner_changes_nothing,
+            l1_expired_key_is_lost_at_next_extension,
+            l1_taken_key_is_lost_at_next_extension,
+            l2_extension_errors_retry_then_lose,
+            l3_detached_callback_runs_on_and_sees_loss,
+            l3_cancel_on_loss_drops_borrowing_callback,
+            r1_reentrant_call_runs_without_round_trip,
+            r2_other_tasks_and_nodes_wait,
+            r3_spawned_task_needs_the_context_carried,
+            r4_lockers_never_share_reentrancy,
+            c1_drop_while_waiting_leaves_nothing_held,
+            c2_drop_while_running_stops_callback_and_releases,
+            c3_timeout_behaves_as_drop,
+            m1_handle_and_mutex_lock_by_hand,
+            m2_mutex_and_with_lock_exclude_each_other,
+            s1_shutdown_waits_then_releases,
+            s2_after_shutdown_calls_never_settle,
+            s3_shutdown_returns_by_deadline_when_backend_down,
+            step_try_acquire_busy_and_fencing,
+            step_extend_never_recreates_a_key,
+            step_extend_many_answers_in_order,
+            step_release_is_idempotent,
+            step_release_notifications_as_declared,
+        }
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __emit_cases {
+    ([tests $factory:expr] $($case:ident,)*) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::run_case(
+                    ::std::stringify!($case),
+                    $factory,
+                    |f| ::std::boxed::Box::pin($crate::cases::$case(f)),
+                );
+            }
+        )*
+    };
+    ([list] $($case:ident,)*) => {
+        &[$(
+            $crate::Case {
+                name: ::std::stringify!($case),
+                run: |f| ::std::boxed::Box::pin($crate::cases::$case(f)),
+            },
+        )*]
+    };
+}
+
+/// Every case of the suite, in the contract's order.
+pub const CASES: &[Case] = __with_cases!(list);
+
+/// Expands to one `#[test]` per case, each running on its own two-worker
+/// tokio runtime with a fresh backend from `$factory`.
+///
+/// ```ignore
+/// lock_conformance::conformance_tests!(|| async { lock_memory::MemoryBackend::new() });
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($factory:expr $(,)?) => {
+        $crate::__with_cases!(tests $factory);
+    };
+}
+
+/// How long one case may run before it counts as hung.
+pub const CASE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Runs one case on a runtime of its own. Used by [`conformance_tests!`].
+///
+/// # Panics
+///
+/// When the case fails or runs longer than [`CASE_TIMEOUT`].
+pub fn run_case(name: &str, factory: impl BackendFactory, case: CaseFn) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("case {name}: no tokio runtime: {e}"));
+    let factory: Arc<dyn BackendFactory> = Arc::new(factory);
+    runtime.block_on(async {
+        let running = tokio::spawn(case(factory));
+        match tokio::time::timeout(CASE_TIMEOUT, running).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Ok(Err(e)) => panic!("case {name} was cancelled: {e}"),
+            Err(_) => panic!("case {name} did not finish within {CASE_TIMEOUT:?}"),
+        }
+    });
+    // Background releases spawned by the case get a moment to finish.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+}
+
+/// Runs every case against `factory`, one after the other, and panics
+/// after the last with the list of failures.
+///
+/// # Panics
+///
+/// When any case fails.
+pub async fn run_all(factory: impl BackendFactory) {
+    let factory: Arc<dyn BackendFactory> = Arc::new(factory);
+    let mut failed = Vec::new();
+    for case in CASES {
+        let running = tokio::spawn((case.run)(Arc::clone(&factory)));
+        match tokio::time::timeout(CASE_TIMEOUT, running).await {
+            Ok(Ok(())) => eprintln!("case {} ... ok", case.name),
+            Ok(Err(e)) => {
+                eprintln!("case {} ... FAILED: {e}", case.name);
+                failed.push(case.name);
+            }
+            Err(_) => {
+                eprintln!("case {} ... FAILED: hung", case.name);
+                failed.push(case.name);
+            }
+        }
+    }
+    assert!(failed.is_empty(), "conformance cases failed: {failed:?}");
+}

@@ -11,6 +11,7 @@
 //! [`Capabilities::max_extend_batch`]: crate::Capabilities::max_extend_batch
 
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
@@ -366,14 +367,20 @@ struct Batch {
     deadline: Option<Instant>,
 }
 
-/// Releases a lease in a task of its own, best effort.
+/// Releases a lease best effort, without waiting: the release is polled
+/// once in place (an in-memory backend finishes there), and if it needs
+/// more, it goes on in a task of its own.
 pub(crate) fn spawn_release(backend: Arc<DynLockBackend>, lease: Lease) {
-    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        rt.spawn(async move {
-            if let Err(error) = backend.release(&lease).await {
-                tracing::debug!(key = %lease.key(), error = %error, "background release failed; the key expires with its ttl");
-            }
-        });
+    let mut release = Box::pin(async move {
+        if let Err(error) = backend.release(&lease).await {
+            tracing::debug!(key = %lease.key(), error = %error, "background release failed; the key expires with its ttl");
+        }
+    });
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if release.as_mut().poll(&mut cx).is_pending() {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(release);
+        }
     }
 }
 

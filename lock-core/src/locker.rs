@@ -348,7 +348,16 @@ impl Locker {
         };
         match settled {
             Ok(out) => {
+                // A loss seen in the same instant as the callback's end still
+                // wins: the output was produced without the lock.
+                let lost = held.state.loss_cause().cloned();
                 held.release().await;
+                if let (Some(cause), Ok(_)) = (lost, &out) {
+                    return Err(LockError::Lost {
+                        key: key.to_string(),
+                        cause,
+                    });
+                }
                 match out {
                     Ok(value) => Ok(value),
                     Err(panic) => resume_unwind(panic),

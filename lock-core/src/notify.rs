@@ -12,7 +12,13 @@ use tokio::sync::watch;
 /// one without them returns [`ReleaseWatch::never`]. A wake-up is a hint,
 /// never a promise: the driver answers it with one more acquisition attempt.
 pub struct ReleaseWatch {
-    inner: Option<HubWatch>,
+    inner: Watch,
+}
+
+enum Watch {
+    Never,
+    Hub(HubWatch),
+    Either(Box<ReleaseWatch>, Box<ReleaseWatch>),
 }
 
 struct HubWatch {
@@ -24,7 +30,17 @@ struct HubWatch {
 impl ReleaseWatch {
     /// A watch that never wakes, for backends without notifications.
     pub fn never() -> Self {
-        Self { inner: None }
+        Self {
+            inner: Watch::Never,
+        }
+    }
+
+    /// A watch that wakes when either of two watches does, for a backend
+    /// wrapper that adds notifications of its own.
+    pub fn either(a: ReleaseWatch, b: ReleaseWatch) -> Self {
+        Self {
+            inner: Watch::Either(Box::new(a), Box::new(b)),
+        }
     }
 
     /// Resolves at the next notification for the key after the watch was
@@ -35,15 +51,18 @@ impl ReleaseWatch {
     /// Cancel safe: a notification that arrives while no call is waiting is
     /// kept for the next call.
     pub async fn released(&mut self) {
-        let rx = self.inner.as_mut().and_then(|w| w.rx.as_mut());
-        match rx {
-            Some(rx) => {
+        match &mut self.inner {
+            Watch::Hub(HubWatch { rx: Some(rx), .. }) => {
                 if rx.changed().await.is_err() {
                     // The hub is gone: from now on only the retry timer wakes.
                     std::future::pending::<()>().await;
                 }
             }
-            None => std::future::pending().await,
+            Watch::Either(a, b) => {
+                let (a, b) = (Box::pin(a.released()), Box::pin(b.released()));
+                futures_util::future::select(a, b).await;
+            }
+            Watch::Hub(_) | Watch::Never => std::future::pending().await,
         }
     }
 }
@@ -51,8 +70,13 @@ impl ReleaseWatch {
 impl fmt::Debug for ReleaseWatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.inner {
-            Some(w) => f.debug_struct("ReleaseWatch").field("key", &w.key).finish(),
-            None => f.write_str("ReleaseWatch(never)"),
+            Watch::Hub(w) => f.debug_struct("ReleaseWatch").field("key", &w.key).finish(),
+            Watch::Either(a, b) => f
+                .debug_tuple("ReleaseWatch::either")
+                .field(a)
+                .field(b)
+                .finish(),
+            Watch::Never => f.write_str("ReleaseWatch(never)"),
         }
     }
 }
@@ -109,7 +133,7 @@ impl ReleaseHub {
             }
         };
         ReleaseWatch {
-            inner: Some(HubWatch {
+            inner: Watch::Hub(HubWatch {
                 rx: Some(rx),
                 key: key.into(),
                 hub: Arc::clone(&self.shared),

@@ -1,0 +1,225 @@
+//! Lost lock: detection, causes and what becomes of the callback [L1–L3].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{LockConfig, LockError, LossCause};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::faults::{is_injected, FaultInjector, Step};
+use crate::support::{node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON};
+
+/// Runs a callback that waits until told, under a lock from `locker`, and
+/// returns the pending call with a channel that tells it to finish.
+fn hold_in_background(
+    locker: &lock_core::Locker,
+    key: &str,
+    cfg: LockConfig,
+) -> (
+    tokio::task::JoinHandle<Result<(), LockError>>,
+    oneshot::Receiver<()>,
+    oneshot::Sender<()>,
+) {
+    let (started_tx, started_rx) = oneshot::channel();
+    let (finish_tx, finish_rx) = oneshot::channel::<()>();
+    let (l, k) = (locker.clone(), key.to_owned());
+    let call = tokio::spawn(async move {
+        l.with_lock_config(&k, &cfg, move |_| async move {
+            let _ = started_tx.send(());
+            let _ = finish_rx.await;
+        })
+        .await
+    });
+    (call, started_rx, finish_tx)
+}
+
+async fn lost_with(call: tokio::task::JoinHandle<Result<(), LockError>>) -> LossCause {
+    let err = within(SOON, "loss detection", call)
+        .await
+        .unwrap()
+        .expect_err("the lock was lost");
+    match err {
+        LockError::Lost { cause, .. } => cause,
+        other => panic!("expected Lost, got {other:?}"),
+    }
+}
+
+/// [L1] The key expired: lost at the next extension, cause `Expired`.
+pub async fn l1_expired_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("l1-expired");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    // Extensions are lost on the way: the key really expires.
+    faulty.skip_extensions(true);
+    let (call, started, _finish) =
+        hold_in_background(&a, &key, LockConfig::default().ttl(SHORT_TTL));
+    within(SOON, "callback start", started).await.unwrap();
+    tokio::time::sleep(SHORT_TTL * 2).await;
+    assert!(!call.is_finished(), "the holder cannot know yet");
+    faulty.skip_extensions(false);
+    assert!(matches!(lost_with(call).await, LossCause::Expired));
+}
+
+/// [L1] Another owner holds the key: lost at the next extension, cause
+/// `Taken`, and the new owner's lock is untouched.
+pub async fn l1_taken_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("l1-taken");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    faulty.skip_extensions(true);
+    let (call, started, _finish) =
+        hold_in_background(&a, &key, LockConfig::default().ttl(SHORT_TTL));
+    within(SOON, "callback start", started).await.unwrap();
+    let b = node(Arc::clone(&backend), "b");
+    let mut thief = b.handle(&key, Duration::from_secs(30)).unwrap();
+    let deadline = Instant::now() + SOON;
+    while !thief.acquire().await.unwrap() {
+        assert!(Instant::now() < deadline, "the key never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    faulty.skip_extensions(false);
+    assert!(matches!(lost_with(call).await, LossCause::Taken));
+    assert!(
+        thief.renew().await.unwrap(),
+        "the new owner still holds the key"
+    );
+    thief.release().await.unwrap();
+}
+
+/// [L2] Extensions failing on backend errors are retried while the lock is
+/// valid; transient errors lose nothing, and errors that last past the
+/// validity lose the lock with the last backend error as cause.
+pub async fn l2_extension_errors_retry_then_lose(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("l2");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    let cfg = LockConfig::default().ttl(SHORT_TTL);
+
+    // Two failures in a row: retried, not lost.
+    faulty.fail_next(Step::Extend, 2);
+    let out = within(
+        SOON,
+        "a callback past transient errors",
+        a.with_lock_config(&key, &cfg, |ctx| async move {
+            tokio::time::sleep(SHORT_TTL * 2).await;
+            ctx.is_lost()
+        }),
+    )
+    .await;
+    assert_eq!(out.expect("transient errors lose nothing"), false);
+
+    // Errors that last: lost once the validity ran out.
+    faulty.fail_always(Step::Extend, true);
+    let started_at = Instant::now();
+    let (call, started, _finish) = hold_in_background(&a, &key, cfg);
+    within(SOON, "callback start", started).await.unwrap();
+    let cause = lost_with(call).await;
+    let after = started_at.elapsed();
+    match cause {
+        LossCause::Backend(e) => assert!(is_injected(&e), "the cause is the last backend error"),
+        other => panic!("expected a backend cause, got {other:?}"),
+    }
+    assert!(
+        after + Duration::from_millis(20) >= SHORT_TTL * 2 / 3,
+        "lost after {after:?}: too early, the lock was still valid"
+    );
+    assert!(after < SHORT_TTL * 2 + SOON, "lost after {after:?}");
+    faulty.fail_always(Step::Extend, false);
+}
+
+/// [L3] By default the callback keeps running after the loss, and can watch
+/// for the loss through its context.
+pub async fn l3_detached_callback_runs_on_and_sees_loss(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("l3-detach");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    let (started_tx, started_rx) = oneshot::channel();
+    let (saw_tx, saw_rx) = oneshot::channel();
+    let (l, k) = (a.clone(), key.clone());
+    let call = tokio::spawn(async move {
+        l.with_lock_config(
+            &k,
+            &LockConfig::default().ttl(SHORT_TTL),
+            move |ctx| async move {
+                let _ = started_tx.send(());
+                let cause = ctx.lost().await;
+                // Still running after the loss was reported.
+                let _ = saw_tx.send((cause, ctx.is_lost(), ctx.is_held()));
+            },
+        )
+        .await
+    });
+    within(SOON, "callback start", started_rx).await.unwrap();
+    faulty.look_stolen(&key, true);
+    assert!(matches!(lost_with(call).await, LossCause::Taken));
+    let (cause, is_lost, is_held) = within(SOON, "the detached callback goes on", saw_rx)
+        .await
+        .unwrap();
+    assert!(matches!(cause, LossCause::Taken));
+    assert!(is_lost && !is_held);
+}
+
+/// [L3] In cancel-on-loss mode the callback is dropped at its next await
+/// point, and it may borrow from the caller.
+pub async fn l3_cancel_on_loss_drops_borrowing_callback(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("l3-cancel");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+
+    struct Dropped<'a>(&'a AtomicBool);
+    impl Drop for Dropped<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let dropped = AtomicBool::new(false);
+    let mut progress = 0u32; // borrowed mutably by the callback
+    let stolen = faulty.clone();
+    let k = key.clone();
+    let cfg = LockConfig::default().ttl(SHORT_TTL);
+    let got = within(
+        SOON,
+        "loss in cancel mode",
+        a.with_lock_cancel_on_loss(&key, &cfg, |_| async {
+            let _guard = Dropped(&dropped);
+            progress += 1;
+            stolen.look_stolen(&k, true);
+            std::future::pending::<()>().await;
+            progress += 1;
+        }),
+    )
+    .await;
+    assert!(
+        matches!(
+            got,
+            Err(LockError::Lost {
+                cause: LossCause::Taken,
+                ..
+            })
+        ),
+        "got {got:?}"
+    );
+    assert!(dropped.load(Ordering::SeqCst), "the callback was dropped");
+    assert_eq!(progress, 1, "the callback stopped at its await point");
+    faulty.look_stolen(&key, false);
+    let b = node(Arc::clone(&backend), "b");
+    within(
+        SOON,
+        "the key is free after its ttl",
+        b.with_lock_config(&key, &patient(), |_| async {}),
+    )
+    .await
+    .unwrap();
+}

@@ -1,0 +1,23 @@
+//! The cases, one `pub async fn` per behaviour, named after its id in the
+//! contract. Each takes the backend factory, makes its own backend and key
+//! namespace, and panics with a message that says what went wrong.
+
+mod acquire;
+mod cancel;
+mod holding;
+mod lost;
+mod mutex;
+mod outcome;
+mod reentrancy;
+mod shutdown;
+mod steps;
+
+pub use acquire::*;
+pub use cancel::*;
+pub use holding::*;
+pub use lost::*;
+pub use mutex::*;
+pub use outcome::*;
+pub use reentrancy::*;
+pub use shutdown::*;
+pub use steps::*;

@@ -1,0 +1,175 @@
+//! Shutdown [S1–S3].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{LockError, Locker, LockerOptions, LossCause};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::faults::{FaultInjector, Step};
+use crate::support::{assert_free, node, patient, within, BackendFactory, Namespace, SOON};
+
+/// [S1] Shutdown stops new acquisitions, lets running callbacks finish for
+/// up to the grace period, then releases every lock the node still holds;
+/// the calls whose lock it released get `Lost` with cause `Shutdown`.
+pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let (quick_key, slow_key, handle_key) =
+        (ns.key("s1-quick"), ns.key("s1-slow"), ns.key("s1-handle"));
+    let a = node(Arc::clone(&backend), "a");
+
+    let (quick_in, quick_in_rx) = oneshot::channel();
+    let (slow_in, slow_in_rx) = oneshot::channel();
+    let (l, k) = (a.clone(), quick_key.clone());
+    let quick = tokio::spawn(async move {
+        l.with_lock(&k, move |_| async move {
+            let _ = quick_in.send(());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            "finished"
+        })
+        .await
+    });
+    let (l, k) = (a.clone(), slow_key.clone());
+    let slow = tokio::spawn(async move {
+        l.with_lock(&k, move |_| async move {
+            let _ = slow_in.send(());
+            std::future::pending::<()>().await;
+        })
+        .await
+    });
+    let mut handle = a.handle(&handle_key, Duration::from_secs(30)).unwrap();
+    assert!(handle.acquire().await.unwrap());
+    within(SOON, "callbacks start", quick_in_rx).await.unwrap();
+    within(SOON, "callbacks start", slow_in_rx).await.unwrap();
+
+    let report = within(SOON, "shutdown", a.shutdown(Duration::from_millis(500))).await;
+    assert!(!report.callbacks_finished, "one callback never finishes");
+    assert_eq!(
+        report.released, 2,
+        "the slow callback's lock and the handle's"
+    );
+    assert_eq!(report.release_failures, 0);
+    assert_eq!(
+        within(SOON, "quick call", quick).await.unwrap().unwrap(),
+        "finished"
+    );
+    let slow = within(SOON, "slow call", slow).await.unwrap();
+    assert!(
+        matches!(
+            slow,
+            Err(LockError::Lost {
+                cause: LossCause::Shutdown,
+                ..
+            })
+        ),
+        "got {slow:?}"
+    );
+    for key in [&quick_key, &slow_key, &handle_key] {
+        assert_free(&backend, key, "after shutdown, at once").await;
+    }
+    assert!(
+        !handle.release().await.unwrap(),
+        "shutdown already released it"
+    );
+    assert_eq!(a.held(), 0);
+}
+
+/// [S2] After shutdown, `with_lock` on that node never settles and never
+/// runs its callback; calls that were waiting likewise.
+pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("s2");
+    let a = node(Arc::clone(&backend), "a");
+    let other = node(Arc::clone(&backend), "other");
+    let mut held = other.handle(&key, Duration::from_secs(30)).unwrap();
+    assert!(held.acquire().await.unwrap());
+
+    let ran = Arc::new(AtomicBool::new(false));
+    let (l, k, r) = (a.clone(), key.clone(), Arc::clone(&ran));
+    let waiting = tokio::spawn(async move {
+        l.with_lock_config(&k, &patient(), move |_| async move {
+            r.store(true, Ordering::SeqCst)
+        })
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a.shutdown(Duration::from_millis(50)).await;
+    held.release().await.unwrap();
+
+    let r = Arc::clone(&ran);
+    let after = a.with_lock(
+        &key,
+        move |_| async move { r.store(true, Ordering::SeqCst) },
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), after)
+            .await
+            .is_err(),
+        "a call after shutdown never settles"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a call waiting at shutdown never settles"
+    );
+    assert!(
+        !ran.load(Ordering::SeqCst),
+        "no callback ran after shutdown"
+    );
+    waiting.abort();
+    assert_free(&backend, &key, "nothing held by the shut node").await;
+}
+
+/// [S3] Shutdown returns by its deadline even when the backend is down.
+pub async fn s3_shutdown_returns_by_deadline_when_backend_down(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("s3");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let release_timeout = Duration::from_millis(200);
+    let a = Locker::with_options(
+        faulty.clone(),
+        LockerOptions::default()
+            .node_id("a")
+            .release_timeout(release_timeout),
+    )
+    .unwrap();
+    let (in_tx, in_rx) = oneshot::channel();
+    let (l, k) = (a.clone(), key.clone());
+    let call = tokio::spawn(async move {
+        // A short ttl, so the key the hung release leaves behind expires soon.
+        let cfg = lock_core::LockConfig::default().ttl(crate::support::SHORT_TTL);
+        l.with_lock_config(&k, &cfg, move |_| async move {
+            let _ = in_tx.send(());
+            std::future::pending::<()>().await;
+        })
+        .await
+    });
+    within(SOON, "callback start", in_rx).await.unwrap();
+    faulty.hang(Step::Release, true);
+    let grace = Duration::from_millis(100);
+    let started = Instant::now();
+    let report = within(SOON, "shutdown with the backend down", a.shutdown(grace)).await;
+    let took = started.elapsed();
+    assert!(
+        took < grace + release_timeout + Duration::from_secs(1),
+        "shutdown took {took:?}"
+    );
+    assert_eq!(report.released, 1);
+    assert_eq!(report.release_failures, 1);
+    let got = within(SOON, "the call", call).await.unwrap();
+    assert!(
+        matches!(
+            got,
+            Err(LockError::Lost {
+                cause: LossCause::Shutdown,
+                ..
+            })
+        ),
+        "got {got:?}"
+    );
+}

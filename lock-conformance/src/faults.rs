@@ -1,0 +1,252 @@
+//! `FaultInjector`: a wrapper around any backend that fails, delays, hangs
+//! or lies on demand, to prove how the driver copes.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use lock_core::{
+    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
+    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+};
+
+/// A step of the backend trait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// `try_acquire`.
+    TryAcquire,
+    /// `extend` and `extend_many`.
+    Extend,
+    /// `release`.
+    Release,
+    /// `watch_release`.
+    WatchRelease,
+}
+
+const STEPS: usize = 4;
+
+impl Step {
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Self::TryAcquire => 0,
+            Self::Extend => 1,
+            Self::Release => 2,
+            Self::WatchRelease => 3,
+        }
+    }
+}
+
+/// The error a [`FaultInjector`] fails a step with.
+#[derive(Debug, thiserror::Error)]
+#[error("injected fault in {0:?}")]
+pub struct InjectedFault(pub Step);
+
+/// Whether `error` was made by a [`FaultInjector`].
+pub fn is_injected(error: &BackendError) -> bool {
+    error.inner().downcast_ref::<InjectedFault>().is_some()
+}
+
+#[derive(Default)]
+struct Faults {
+    fail_next: [AtomicU32; STEPS],
+    fail_always: [AtomicBool; STEPS],
+    hang: [AtomicBool; STEPS],
+    delay: Mutex<[Duration; STEPS]>,
+    skip_extensions: AtomicBool,
+    stolen: Mutex<HashSet<String>>,
+    hub: ReleaseHub,
+}
+
+/// Wraps a backend and injects faults on demand. With nothing injected it
+/// forwards every call unchanged.
+///
+/// Cheap to clone; clones share their faults, so a test keeps one clone to
+/// steer and hands the other to a `Locker`.
+#[derive(Clone)]
+pub struct FaultInjector<B> {
+    inner: B,
+    faults: Arc<Faults>,
+}
+
+impl<B: LockBackend> FaultInjector<B> {
+    /// Wraps `inner` with no faults.
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    /// Fails the next `n` calls of `step` with [`InjectedFault`].
+    pub fn fail_next(&self, step: Step, n: u32) {
+        self.faults.fail_next[step.index()].store(n, Ordering::SeqCst);
+    }
+
+    /// Fails every call of `step` until turned off.
+    pub fn fail_always(&self, step: Step, on: bool) {
+        self.faults.fail_always[step.index()].store(on, Ordering::SeqCst);
+    }
+
+    /// Makes every call of `step` hang, never answering, until turned off
+    /// (calls already hanging stay hung).
+    pub fn hang(&self, step: Step, on: bool) {
+        self.faults.hang[step.index()].store(on, Ordering::SeqCst);
+    }
+
+    /// Delays every call of `step` by `delay` before it reaches the store.
+    pub fn delay(&self, step: Step, delay: Duration) {
+        self.faults
+            .delay
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)[step.index()] = delay;
+    }
+
+    /// Delays every step by `delay`.
+    #[must_use]
+    pub fn with_delay_on_every_step(self, delay: Duration) -> Self {
+        for step in [
+            Step::TryAcquire,
+            Step::Extend,
+            Step::Release,
+            Step::WatchRelease,
+        ] {
+            self.delay(step, delay);
+        }
+        self
+    }
+
+    /// Makes extensions answer `Extended` without reaching the store, as if
+    /// the store lost them (a failover to a replica that never saw them):
+    /// the key really expires while the holder believes it extended it.
+    pub fn skip_extensions(&self, on: bool) {
+        self.faults.skip_extensions.store(on, Ordering::SeqCst);
+    }
+
+    /// Makes `key` look held by another owner: its extensions answer
+    /// `Taken` and its releases `NotHeld`, without reaching the store.
+    pub fn look_stolen(&self, key: &str, on: bool) {
+        let mut stolen = self
+            .faults
+            .stolen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if on {
+            stolen.insert(key.to_owned());
+        } else {
+            stolen.remove(key);
+        }
+    }
+
+    /// Wakes the watches on `key` without any release: a spurious
+    /// notification, which the driver must treat as a hint only.
+    pub fn notify_without_release(&self, key: &str) {
+        self.faults.hub.notify(key);
+    }
+
+    fn is_stolen(&self, key: &str) -> bool {
+        self.faults
+            .stolen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(key)
+    }
+
+    async fn enter(&self, step: Step) -> Result<(), BackendError> {
+        let i = step.index();
+        let delay = self
+            .faults
+            .delay
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)[i];
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if self.faults.hang[i].load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        let fail_once = self.faults.fail_next[i]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail_once || self.faults.fail_always[i].load(Ordering::SeqCst) {
+            return Err(BackendError::new(
+                BackendErrorKind::Request,
+                InjectedFault(step),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<B: fmt::Debug> fmt::Debug for FaultInjector<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultInjector")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl<B: LockBackend> LockBackend for FaultInjector<B> {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        self.enter(Step::TryAcquire).await?;
+        self.inner.try_acquire(key, owner, ttl).await
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        self.enter(Step::Extend).await?;
+        if self.is_stolen(lease.key()) {
+            return Ok(ExtendOutcome::Taken);
+        }
+        if self.faults.skip_extensions.load(Ordering::SeqCst) {
+            return Ok(ExtendOutcome::Extended);
+        }
+        self.inner.extend(lease, ttl).await
+    }
+
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        self.enter(Step::Extend).await?;
+        if self.faults.skip_extensions.load(Ordering::SeqCst) {
+            return Ok(vec![ExtendOutcome::Extended; requests.len()]);
+        }
+        let mut outcomes = self.inner.extend_many(requests).await?;
+        for (outcome, request) in outcomes.iter_mut().zip(requests) {
+            if self.is_stolen(request.lease.key()) {
+                *outcome = ExtendOutcome::Taken;
+            }
+        }
+        Ok(outcomes)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        self.enter(Step::Release).await?;
+        if self.is_stolen(lease.key()) {
+            return Ok(ReleaseOutcome::NotHeld);
+        }
+        self.inner.release(lease).await
+    }
+
+    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        self.enter(Step::WatchRelease).await?;
+        let inner = self.inner.watch_release(key).await?;
+        Ok(ReleaseWatch::either(inner, self.faults.hub.watch(key)))
+    }
+}

@@ -1,0 +1,121 @@
+//! What the cases share: the backend factory, key namespaces, nodes and
+//! timing helpers.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{DynLockBackend, LockBackend, LockConfig, LockError, Locker, LockerOptions};
+
+/// Makes a fresh backend for one case. Every locker of the case shares it,
+/// each locker standing for one node.
+///
+/// Any `Fn() -> impl Future<Output = impl LockBackend>` is a factory:
+///
+/// ```
+/// # use lock_conformance::BackendFactory;
+/// # use lock_memory::MemoryBackend;
+/// fn takes(_: impl BackendFactory) {}
+/// takes(|| async { MemoryBackend::new() });
+/// ```
+pub trait BackendFactory: Send + Sync + 'static {
+    /// A backend for one case.
+    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>>;
+}
+
+impl<F, Fut, B> BackendFactory for F
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = B> + Send + 'static,
+    B: LockBackend,
+{
+    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
+        let made = self();
+        Box::pin(async move { Arc::new(made.await) as Arc<DynLockBackend> })
+    }
+}
+
+/// A random key namespace, so that cases never touch each other's keys,
+/// nor anything else on a shared server.
+#[derive(Clone, Debug)]
+pub struct Namespace(String);
+
+impl Namespace {
+    /// A namespace no other case uses.
+    pub fn new() -> Self {
+        Self(format!("withlock-test:{:016x}:", rand::random::<u64>()))
+    }
+
+    /// A key in this namespace.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.0)
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A locker named `name` on `backend`: one node.
+pub fn node(backend: impl LockBackend, name: &str) -> Locker {
+    Locker::with_options(backend, LockerOptions::default().node_id(name))
+        .unwrap_or_else(|e| panic!("node {name:?} could not be made: {e}"))
+}
+
+/// The ttl used where a case waits for an expiry or an extension.
+pub const SHORT_TTL: Duration = Duration::from_millis(400);
+
+/// The retry delay used where a case waits for a lock.
+pub const RETRY: Duration = Duration::from_millis(20);
+
+/// A generous bound for things that must happen "soon", so that a loaded
+/// machine does not make a case flaky.
+pub const SOON: Duration = Duration::from_secs(5);
+
+/// One attempt only.
+pub fn once() -> LockConfig {
+    LockConfig::default().retry_attempts(0)
+}
+
+/// Waits as long as it takes, polling every [`RETRY`].
+pub fn patient() -> LockConfig {
+    LockConfig::default().wait_forever().retry_delay(RETRY)
+}
+
+/// Awaits `fut`, failing the case with `what` if it takes longer than `limit`.
+pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: did not happen within {limit:?}"),
+    }
+}
+
+/// Asserts that `key` is free: another node takes it at once.
+pub async fn assert_free(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
+    let probe = node(Arc::clone(backend), "probe");
+    let got = within(
+        SOON,
+        why,
+        probe.with_lock_config(key, &once(), |_| async {}),
+    )
+    .await;
+    assert!(got.is_ok(), "{why}: key {key:?} is still held: {got:?}");
+}
+
+/// Asserts that `key` is held: another node cannot take it.
+pub async fn assert_held(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
+    let probe = node(Arc::clone(backend), "probe");
+    let got = within(
+        SOON,
+        why,
+        probe.with_lock_config(key, &once(), |_| async {}),
+    )
+    .await;
+    assert!(
+        matches!(got, Err(LockError::NotAcquired { .. })),
+        "{why}: key {key:?} should be held, got {got:?}"
+    );
+}
