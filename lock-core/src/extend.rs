@@ -1,5 +1,5 @@
 //! The registry of the leases a locker holds, and the one extender task per
-//! locker that keeps them alive [H1, L1, L2, P4].
+//! locker that keeps them alive \[H1, L1, L2, P4\].
 //!
 //! Leases are kept in one schedule ordered by when they are due. The
 //! extender sleeps until the first is due, then sends every lease due within

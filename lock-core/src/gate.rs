@@ -1,5 +1,5 @@
 //! One wait list per key inside a locker, so that the tasks of one process
-//! waiting for the same key do not each poll the backend [A6].
+//! waiting for the same key do not each poll the backend \[A6\].
 //!
 //! Whoever holds a key's pass is the one task of this locker that tries the
 //! backend for that key, then holds the lock. The others wait in arrival

@@ -1,5 +1,5 @@
 //! The low-level lock handle: acquire, renew and release by hand, as Ruby
-//! Locker's "advanced usage" [M1].
+//! Locker's "advanced usage" \[M1\].
 
 use std::fmt;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use crate::task::never;
 ///
 /// The caller renews it before its ttl runs out and releases it when done;
 /// dropping a handle that holds its lock releases it in the background. It
-/// excludes, and is excluded by, `with_lock` on the same key [M2].
+/// excludes, and is excluded by, `with_lock` on the same key \[M2\].
 ///
 /// ```
 /// # use std::time::Duration;

@@ -67,7 +67,7 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// One acquisition attempt that cannot strand a lock if dropped [C1].
+    /// One acquisition attempt that cannot strand a lock if dropped \[C1\].
     pub(crate) async fn attempt(
         &self,
         key: &Arc<str>,
@@ -375,7 +375,7 @@ impl Locker {
     }
 
     /// Acquires `key` for a callback: the per-key wait list, then the
-    /// backend attempts [A1–A6].
+    /// backend attempts \[A1–A6\].
     async fn acquire(&self, key: &Arc<str>, config: &LockConfig) -> Result<Held, LockError> {
         let inner = &self.inner;
         let span = tracing::debug_span!("acquire", key = %key);
@@ -501,16 +501,16 @@ impl Locker {
 
     /// Stops this node: no new acquisitions, running callbacks get up to
     /// `grace` to finish, then every lock the node still holds is released,
-    /// so other nodes do not wait for the ttl [S1].
+    /// so other nodes do not wait for the ttl \[S1\].
     ///
     /// - Calls whose lock is released this way return
     ///   [`LockError::Lost`] with [`LossCause::Shutdown`].
     /// - From the moment this is called, `with_lock` on this node never
     ///   settles and never runs its callback, nor do calls already waiting
-    ///   [S2]; handles and `Mutex`es cannot acquire either.
+    ///   \[S2\]; handles and `Mutex`es cannot acquire either.
     /// - It returns within `grace` plus
     ///   [`LockerOptions::release_timeout`], even when the backend is down
-    ///   [S3].
+    ///   \[S3\].
     ///
     /// # Cancel safety
     ///
@@ -582,7 +582,7 @@ async fn released(watch: &mut Option<crate::notify::ReleaseWatch>) {
 /// scope, with panics caught so the lock is released before they resume.
 type Guarded<Fut> = CatchUnwind<AssertUnwindSafe<TaskLocalFuture<Chain, Fut>>>;
 
-/// What becomes of a callback whose lock was lost [L3].
+/// What becomes of a callback whose lock was lost \[L3\].
 trait OnLoss<G> {
     fn lost(self, callback: Pin<Box<G>>);
 }
@@ -614,7 +614,7 @@ impl<G> OnLoss<G> for Cancel {
 }
 
 /// A lease held for a callback, with the key's pass. Dropping it releases
-/// the lease in the background [C2].
+/// the lease in the background \[C2\].
 struct Held {
     inner: Arc<Inner>,
     id: u64,
@@ -626,7 +626,7 @@ struct Held {
 
 impl Held {
     /// Releases the lease and waits for the answer, then lets the next task
-    /// of this node in [H3].
+    /// of this node in \[H3\].
     async fn release(mut self) {
         self.armed = false;
         self.state.mark_ended();

@@ -1,5 +1,5 @@
 //! The deprecated `Mutex`, with the lock/unlock surface of Kuzzle's Mutex
-//! that `with_lock` replaces [M1, M2].
+//! that `with_lock` replaces \[M1, M2\].
 
 #![allow(deprecated)]
 

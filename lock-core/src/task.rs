@@ -33,7 +33,7 @@ where
 }
 
 /// A future that never settles: what `with_lock` becomes on a locker that
-/// shut down [S2].
+/// shut down \[S2\].
 pub(crate) async fn never<T>() -> T {
     std::future::pending().await
 }

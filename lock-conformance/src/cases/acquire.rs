@@ -1,4 +1,4 @@
-//! Acquisition: attempts, retries, waiting and release notifications [A1–A6].
+//! Acquisition: attempts, retries, waiting and release notifications \[A1–A6\].
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,7 +19,7 @@ fn attempts_of(err: &LockError) -> u32 {
     }
 }
 
-/// [A1] The first attempt is made at once; while the key is held, up to
+/// \[A1\] The first attempt is made at once; while the key is held, up to
 /// `retry_attempts` more are made, `retry_delay` apart.
 pub async fn a1_first_attempt_at_once_then_spaced_retries(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -66,7 +66,7 @@ pub async fn a1_first_attempt_at_once_then_spaced_retries(factory: Arc<dyn Backe
     held.release().await.unwrap();
 }
 
-/// [A2] With the defaults a call gives up after 11 attempts, about 2 s.
+/// \[A2\] With the defaults a call gives up after 11 attempts, about 2 s.
 pub async fn a2_defaults_give_up_after_eleven_attempts(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
@@ -93,7 +93,7 @@ pub async fn a2_defaults_give_up_after_eleven_attempts(factory: Arc<dyn BackendF
     held.release().await.unwrap();
 }
 
-/// [A3] `retry_attempts = 0` is a single attempt and an immediate error.
+/// \[A3\] `retry_attempts = 0` is a single attempt and an immediate error.
 pub async fn a3_retry_zero_is_single_attempt(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
@@ -140,7 +140,7 @@ pub async fn a3_retry_zero_is_single_attempt(factory: Arc<dyn BackendFactory>) {
     held.release().await.unwrap();
 }
 
-/// [A4] Unlimited attempts wait as long as it takes: well past what the
+/// \[A4\] Unlimited attempts wait as long as it takes: well past what the
 /// default budget would allow at the same delay.
 pub async fn a4_unlimited_waits_as_long_as_it_takes(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -166,7 +166,7 @@ pub async fn a4_unlimited_waits_as_long_as_it_takes(factory: Arc<dyn BackendFact
     assert!(token.is_ok(), "got {token:?}");
 }
 
-/// [A5] A release notification triggers an extra attempt at once, so a
+/// \[A5\] A release notification triggers an extra attempt at once, so a
 /// waiter gets a freed lock long before its retry delay; extra attempts do
 /// not use up the budget. A backend without notifications declares it and
 /// waiters fall back to the retry timer.
@@ -180,12 +180,15 @@ pub async fn a5_release_notification_wakes_waiter(factory: Arc<dyn BackendFactor
     assert!(held.acquire().await.unwrap());
 
     let b = node(Arc::clone(&backend), "b");
-    let delay = if notifies {
-        Duration::from_secs(30)
+    // With notifications a 30 s delay must not matter; without them the
+    // waiter falls back to its retry timer.
+    let cfg = if notifies {
+        LockConfig::default()
+            .retry_attempts(3)
+            .retry_delay(Duration::from_secs(30))
     } else {
-        RETRY
+        patient()
     };
-    let cfg = LockConfig::default().retry_attempts(3).retry_delay(delay);
     let (l, k) = (b.clone(), key.clone());
     let waiter = tokio::spawn(async move { l.with_lock_config(&k, &cfg, |_| async {}).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -237,7 +240,7 @@ pub async fn a5_release_notification_wakes_waiter(factory: Arc<dyn BackendFactor
     }
 }
 
-/// [A6] Waiters inside one process on one key do not each poll the backend:
+/// \[A6\] Waiters inside one process on one key do not each poll the backend:
 /// one wait list per key, served in arrival order, with the lock released in
 /// the backend between two holders.
 pub async fn a6_local_waiters_queue_without_polling(factory: Arc<dyn BackendFactory>) {

@@ -1,4 +1,4 @@
-//! Cancellation: dropping the `with_lock` future [C1–C3].
+//! Cancellation: dropping the `with_lock` future \[C1–C3\].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,7 +18,7 @@ impl Drop for SetOnDrop {
     }
 }
 
-/// [C1] Dropping the future while it waits leaves nothing held, also when
+/// \[C1\] Dropping the future while it waits leaves nothing held, also when
 /// it is dropped with an acquisition attempt in flight.
 pub async fn c1_drop_while_waiting_leaves_nothing_held(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -64,7 +64,7 @@ pub async fn c1_drop_while_waiting_leaves_nothing_held(factory: Arc<dyn BackendF
     );
 }
 
-/// [C2] Dropping the future while the callback runs stops the callback and
+/// \[C2\] Dropping the future while the callback runs stops the callback and
 /// releases the lock.
 pub async fn c2_drop_while_running_stops_callback_and_releases(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -98,7 +98,7 @@ pub async fn c2_drop_while_running_stops_callback_and_releases(factory: Arc<dyn 
     assert_eq!(a.held(), 0);
 }
 
-/// [C3] `tokio::time::timeout` around `with_lock` behaves as dropping it,
+/// \[C3\] `tokio::time::timeout` around `with_lock` behaves as dropping it,
 /// while waiting and while running.
 pub async fn c3_timeout_behaves_as_drop(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;

@@ -1,4 +1,4 @@
-//! While the lock is held: extension, expiry, release and fencing [H1–H5].
+//! While the lock is held: extension, expiry, release and fencing \[H1–H5\].
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +12,7 @@ use crate::support::{
     assert_free, assert_held, node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON,
 };
 
-/// [H1] The lock is extended in the background about every third of the
+/// \[H1\] The lock is extended in the background about every third of the
 /// ttl, so a callback may run for many times the ttl.
 pub async fn h1_lock_is_extended_while_callback_runs(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -35,7 +35,7 @@ pub async fn h1_lock_is_extended_while_callback_runs(factory: Arc<dyn BackendFac
         }),
     )
     .await;
-    assert_eq!(out.expect("no loss"), false);
+    assert!(!out.expect("no loss"), "the lock was never lost");
     let extensions = counting.calls(Step::Extend);
     assert!(
         (4..=40).contains(&extensions),
@@ -44,7 +44,7 @@ pub async fn h1_lock_is_extended_while_callback_runs(factory: Arc<dyn BackendFac
     assert_free(&backend, &key, "after the long callback").await;
 }
 
-/// [H2] A node that stops extending loses the lock at most a ttl later, and
+/// \[H2\] A node that stops extending loses the lock at most a ttl later, and
 /// another node then gets it.
 pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -78,7 +78,7 @@ pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFac
     );
 }
 
-/// [H3] The lock is released as soon as the callback settles; a failed
+/// \[H3\] The lock is released as soon as the callback settles; a failed
 /// release is not reported and the key then expires with its ttl.
 pub async fn h3_released_when_callback_settles(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -118,7 +118,7 @@ pub async fn h3_released_when_callback_settles(factory: Arc<dyn BackendFactory>)
     );
 }
 
-/// [H4] Each acquisition gets a fencing token that strictly increases per
+/// \[H4\] Each acquisition gets a fencing token that strictly increases per
 /// key across all nodes; a reentrant call sees its outer call's token.
 pub async fn h4_fencing_token_increases_across_nodes(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -170,7 +170,7 @@ pub async fn h4_fencing_token_increases_across_nodes(factory: Arc<dyn BackendFac
     h.release().await.unwrap();
 }
 
-/// [H5] A release, extension or check by an owner that no longer holds the
+/// \[H5\] A release, extension or check by an owner that no longer holds the
 /// key never changes the key.
 pub async fn h5_stale_owner_changes_nothing(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;

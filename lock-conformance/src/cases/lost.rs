@@ -1,4 +1,4 @@
-//! Lost lock: detection, causes and what becomes of the callback [L1–L3].
+//! Lost lock: detection, causes and what becomes of the callback \[L1–L3\].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,7 +46,7 @@ async fn lost_with(call: tokio::task::JoinHandle<Result<(), LockError>>) -> Loss
     }
 }
 
-/// [L1] The key expired: lost at the next extension, cause `Expired`.
+/// \[L1\] The key expired: lost at the next extension, cause `Expired`.
 pub async fn l1_expired_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
@@ -64,7 +64,7 @@ pub async fn l1_expired_key_is_lost_at_next_extension(factory: Arc<dyn BackendFa
     assert!(matches!(lost_with(call).await, LossCause::Expired));
 }
 
-/// [L1] Another owner holds the key: lost at the next extension, cause
+/// \[L1\] Another owner holds the key: lost at the next extension, cause
 /// `Taken`, and the new owner's lock is untouched.
 pub async fn l1_taken_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -92,7 +92,7 @@ pub async fn l1_taken_key_is_lost_at_next_extension(factory: Arc<dyn BackendFact
     thief.release().await.unwrap();
 }
 
-/// [L2] Extensions failing on backend errors are retried while the lock is
+/// \[L2\] Extensions failing on backend errors are retried while the lock is
 /// valid; transient errors lose nothing, and errors that last past the
 /// validity lose the lock with the last backend error as cause.
 pub async fn l2_extension_errors_retry_then_lose(factory: Arc<dyn BackendFactory>) {
@@ -114,7 +114,10 @@ pub async fn l2_extension_errors_retry_then_lose(factory: Arc<dyn BackendFactory
         }),
     )
     .await;
-    assert_eq!(out.expect("transient errors lose nothing"), false);
+    assert!(
+        !out.expect("transient errors lose nothing"),
+        "no loss on transient errors"
+    );
 
     // Errors that last: lost once the validity ran out.
     faulty.fail_always(Step::Extend, true);
@@ -135,7 +138,7 @@ pub async fn l2_extension_errors_retry_then_lose(factory: Arc<dyn BackendFactory
     faulty.fail_always(Step::Extend, false);
 }
 
-/// [L3] By default the callback keeps running after the loss, and can watch
+/// \[L3\] By default the callback keeps running after the loss, and can watch
 /// for the loss through its context.
 pub async fn l3_detached_callback_runs_on_and_sees_loss(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -169,7 +172,7 @@ pub async fn l3_detached_callback_runs_on_and_sees_loss(factory: Arc<dyn Backend
     assert!(is_lost && !is_held);
 }
 
-/// [L3] In cancel-on-loss mode the callback is dropped at its next await
+/// \[L3\] In cancel-on-loss mode the callback is dropped at its next await
 /// point, and it may borrow from the caller.
 pub async fn l3_cancel_on_loss_drops_borrowing_callback(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;

@@ -1,5 +1,5 @@
 //! Mutex compatibility: the low-level handle and the deprecated `Mutex`
-//! [M1, M2].
+//! \[M1, M2\].
 
 #![allow(deprecated)]
 
@@ -13,7 +13,7 @@ use crate::support::{
     assert_free, assert_held, node, once, within, BackendFactory, Namespace, SOON,
 };
 
-/// [M1] A low-level handle acquires, renews and releases by hand; the
+/// \[M1\] A low-level handle acquires, renews and releases by hand; the
 /// deprecated `Mutex` keeps Kuzzle's defaults and lock/unlock surface.
 pub async fn m1_handle_and_mutex_lock_by_hand(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -89,7 +89,7 @@ pub async fn m1_handle_and_mutex_lock_by_hand(factory: Arc<dyn BackendFactory>) 
     assert_free(&backend, &key, "after every unlock").await;
 }
 
-/// [M2] On the same key a `Mutex` and `with_lock` exclude each other, and
+/// \[M2\] On the same key a `Mutex` and `with_lock` exclude each other, and
 /// neither can release the other's lock.
 pub async fn m2_mutex_and_with_lock_exclude_each_other(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;

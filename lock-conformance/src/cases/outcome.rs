@@ -1,4 +1,4 @@
-//! Outcome: what `with_lock` gives back [O1–O5].
+//! Outcome: what `with_lock` gives back \[O1–O5\].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -12,7 +12,7 @@ use crate::support::{
     assert_free, assert_held, node, within, BackendFactory, Namespace, RETRY, SHORT_TTL, SOON,
 };
 
-/// [O1] The callback's output is given back; an `Err` from the callback is an
+/// \[O1\] The callback's output is given back; an `Err` from the callback is an
 /// ordinary output and the lock is released.
 pub async fn o1_callback_output_is_returned(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -36,7 +36,7 @@ pub async fn o1_callback_output_is_returned(factory: Arc<dyn BackendFactory>) {
     assert_free(&backend, &key, "after a callback returned Err").await;
 }
 
-/// [O2] A panicking callback releases the lock, then the panic resumes in
+/// \[O2\] A panicking callback releases the lock, then the panic resumes in
 /// the caller, in both loss modes.
 pub async fn o2_panic_releases_then_resumes(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -72,7 +72,7 @@ pub async fn o2_panic_releases_then_resumes(factory: Arc<dyn BackendFactory>) {
     assert_free(&backend, &key, "after a panicking callback in cancel mode").await;
 }
 
-/// [O3] Acquisition failed after every attempt: the error says how many
+/// \[O3\] Acquisition failed after every attempt: the error says how many
 /// attempts were made, carries the last backend error, and the callback did
 /// not run.
 pub async fn o3_not_acquired_says_attempts_and_cause(factory: Arc<dyn BackendFactory>) {
@@ -134,7 +134,7 @@ pub async fn o3_not_acquired_says_attempts_and_cause(factory: Arc<dyn BackendFac
     assert_free(&backend, &key, "after failed attempts").await;
 }
 
-/// [O4] A lost lock is reported as soon as it is detected, without waiting
+/// \[O4\] A lost lock is reported as soon as it is detected, without waiting
 /// for the callback, with its cause.
 pub async fn o4_lost_is_reported_without_waiting_for_callback(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -169,7 +169,7 @@ pub async fn o4_lost_is_reported_without_waiting_for_callback(factory: Arc<dyn B
     drop(finish_tx);
 }
 
-/// [O5] Bad input gives a clear error and touches nothing.
+/// \[O5\] Bad input gives a clear error and touches nothing.
 pub async fn o5_bad_input_is_refused_and_touches_nothing(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let counting = CountingBackend::new(Arc::clone(&backend));
@@ -237,7 +237,7 @@ pub async fn o5_bad_input_is_refused_and_touches_nothing(factory: Arc<dyn Backen
     assert_eq!(a.held(), 0);
 }
 
-/// [O5] Keys are opaque strings: spaces, unicode, braces, globs, quotes and
+/// \[O5\] Keys are opaque strings: spaces, unicode, braces, globs, quotes and
 /// SQL metacharacters work, a key of the maximum length works, and keys that
 /// a glob or a prefix would confuse stay apart.
 pub async fn o5_keys_are_opaque(factory: Arc<dyn BackendFactory>) {

@@ -1,4 +1,4 @@
-//! Reentrancy: same key, same locker, same task [R1–R4].
+//! Reentrancy: same key, same locker, same task \[R1–R4\].
 
 use std::sync::Arc;
 
@@ -15,7 +15,7 @@ async fn nested(locker: Locker, key: String) -> Result<u64, LockError> {
         .await
 }
 
-/// [R1] A `with_lock` on the same key and locker from inside the callback,
+/// \[R1\] A `with_lock` on the same key and locker from inside the callback,
 /// directly or from anything it awaits, runs at once with no backend round
 /// trip; its config is ignored.
 pub async fn r1_reentrant_call_runs_without_round_trip(factory: Arc<dyn BackendFactory>) {
@@ -63,7 +63,7 @@ pub async fn r1_reentrant_call_runs_without_round_trip(factory: Arc<dyn BackendF
     );
 }
 
-/// [R2] Any other call on that key, from another task of the same process
+/// \[R2\] Any other call on that key, from another task of the same process
 /// or from another node, waits for the lock.
 pub async fn r2_other_tasks_and_nodes_wait(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -95,7 +95,7 @@ pub async fn r2_other_tasks_and_nodes_wait(factory: Arc<dyn BackendFactory>) {
     .unwrap();
 }
 
-/// [R3] A task spawned from inside the callback waits, unless the callback
+/// \[R3\] A task spawned from inside the callback waits, unless the callback
 /// hands it the lock context with `LockContext::scope`.
 pub async fn r3_spawned_task_needs_the_context_carried(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -125,7 +125,7 @@ pub async fn r3_spawned_task_needs_the_context_carried(factory: Arc<dyn BackendF
     .unwrap();
 }
 
-/// [R4] Two lockers never share reentrancy, even for equal keys.
+/// \[R4\] Two lockers never share reentrancy, even for equal keys.
 pub async fn r4_lockers_never_share_reentrancy(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();

@@ -1,4 +1,4 @@
-//! Shutdown [S1–S3].
+//! Shutdown \[S1–S3\].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use crate::faults::{FaultInjector, Step};
 use crate::support::{assert_free, node, patient, within, BackendFactory, Namespace, SOON};
 
-/// [S1] Shutdown stops new acquisitions, lets running callbacks finish for
+/// \[S1\] Shutdown stops new acquisitions, lets running callbacks finish for
 /// up to the grace period, then releases every lock the node still holds;
 /// the calls whose lock it released get `Lost` with cause `Shutdown`.
 pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
@@ -77,7 +77,7 @@ pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
     assert_eq!(a.held(), 0);
 }
 
-/// [S2] After shutdown, `with_lock` on that node never settles and never
+/// \[S2\] After shutdown, `with_lock` on that node never settles and never
 /// runs its callback; calls that were waiting likewise.
 pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
@@ -124,7 +124,7 @@ pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactor
     assert_free(&backend, &key, "nothing held by the shut node").await;
 }
 
-/// [S3] Shutdown returns by its deadline even when the backend is down.
+/// \[S3\] Shutdown returns by its deadline even when the backend is down.
 pub async fn s3_shutdown_returns_by_deadline_when_backend_down(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
