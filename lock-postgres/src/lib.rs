@@ -1,0 +1,1 @@
+//! PostgreSQL backend for withlock (in progress).
