@@ -27,7 +27,15 @@ pub struct OwnerToken(Arc<str>);
 impl OwnerToken {
     /// Draws a new token for `node_id`.
     pub fn new(node_id: &str) -> Self {
-        Self(format!("{node_id}/{:032x}", rand::random::<u128>()).into())
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut value = String::with_capacity(node_id.len() + 33);
+        value.push_str(node_id);
+        value.push('/');
+        let bits = rand::random::<u128>();
+        for i in (0..32).rev() {
+            value.push(char::from(HEX[((bits >> (i * 4)) & 0xf) as usize]));
+        }
+        Self(value.into())
     }
 
     /// Wraps a value read back from a backend, such as one written by another

@@ -69,6 +69,13 @@ impl LockError {
         matches!(self, Self::NotAcquired { .. })
     }
 
+    /// The key was held by someone else on every attempt: [`NotAcquired`](Self::NotAcquired)
+    /// whose last attempt found the key busy rather than failing on a
+    /// backend error. This is "the task is already running elsewhere".
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::NotAcquired { source: None, .. })
+    }
+
     /// The lock was lost while held.
     pub fn is_lost(&self) -> bool {
         matches!(self, Self::Lost { .. })

@@ -59,6 +59,9 @@ struct State {
     schedule: BTreeSet<(Instant, u64)>,
     callbacks: usize,
     extender_running: bool,
+    /// When the extender will look at the schedule next; `None` while it
+    /// waits for a wake-up. A new lease due later needs no wake-up.
+    extender_wakes_at: Option<Instant>,
     /// Shutdown began: no new leases.
     no_new: bool,
     /// Shutdown drained the registry: the extender stops.
@@ -66,11 +69,19 @@ struct State {
 }
 
 impl State {
-    fn schedule(&mut self, id: u64, due: Instant) {
-        if let Some(e) = self.entries.get_mut(&id) {
-            e.due = Some(due);
-            self.schedule.insert((due, id));
+    /// Schedules an extension; returns whether the extender must be woken
+    /// to see it in time.
+    fn schedule(&mut self, id: u64, due: Instant) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        e.due = Some(due);
+        self.schedule.insert((due, id));
+        if self.extender_wakes_at.is_none_or(|at| due < at) {
+            self.extender_wakes_at = Some(due);
+            return true;
         }
+        false
     }
 
     fn remove(&mut self, id: u64) -> Option<Entry> {
@@ -149,13 +160,11 @@ impl Registry {
         );
         if holder == Holder::Callback {
             s.callbacks += 1;
-            let due = acquired_at + ttl / 3;
-            let earliest = s.schedule.first().map(|(d, _)| *d);
-            s.schedule(id, due);
+            let wake = s.schedule(id, acquired_at + ttl / 3);
             if !s.extender_running {
                 s.extender_running = true;
                 tokio::spawn(run_extender(Arc::downgrade(self), Arc::clone(&self.wake)));
-            } else if earliest.is_none_or(|e| due < e) {
+            } else if wake {
                 self.wake.notify_one();
             }
         }
@@ -268,6 +277,7 @@ impl Registry {
             batches.push(current);
         }
         let next = s.schedule.first().map(|(d, _)| *d);
+        s.extender_wakes_at = next;
         if s.callbacks == 0 {
             self.idle.notify_waiters();
         }
@@ -305,6 +315,7 @@ impl Registry {
         let now = Instant::now();
         let mut s = self.lock();
         let mut lost = Vec::new();
+        let mut wake = false;
         for (i, &id) in batch.ids.iter().enumerate() {
             let Some(e) = s.entries.get_mut(&id) else {
                 continue; // released while the batch was in flight
@@ -317,7 +328,7 @@ impl Registry {
                     e.last_error = None;
                     tracing::trace!(key = %e.lease.key(), fencing_token = e.lease.fencing_token(), "lock extended");
                     let due = sent_at + e.ttl / 3;
-                    s.schedule(id, due);
+                    wake |= s.schedule(id, due);
                 }
                 Ok(ExtendOutcome::Expired) => lost.push((id, LossCause::Expired)),
                 Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
@@ -329,7 +340,7 @@ impl Registry {
                     } else {
                         let due = (now + e.backoff).min(e.valid_until);
                         e.backoff = (e.backoff * 2).min(e.ttl / 6);
-                        s.schedule(id, due);
+                        wake |= s.schedule(id, due);
                     }
                 }
             }
@@ -350,7 +361,9 @@ impl Registry {
                 spawn_release(Arc::clone(&self.backend), removed.lease);
             }
         }
-        self.wake.notify_one();
+        if wake {
+            self.wake.notify_one();
+        }
     }
 }
 

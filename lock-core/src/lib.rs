@@ -24,8 +24,8 @@
 //! match locker.with_lock_config("unique-task", &once, |_| async { Ok::<_, std::io::Error>(()) }).await {
 //!     Ok(Ok(())) => println!("done"),
 //!     Ok(Err(task_error)) => println!("the task failed: {task_error}"),
-//!     Err(LockError::NotAcquired { .. }) => println!("that task is already ongoing"),
-//!     Err(other) => return Err(other),
+//!     Err(busy) if busy.is_busy() => println!("that task is already ongoing"),
+//!     Err(other) => return Err(other), // the backend failed, or bad input
 //! }
 //! # Ok(()) }
 //! ```

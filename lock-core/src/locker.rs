@@ -415,14 +415,6 @@ impl Locker {
                 if inner.shutdown.is_started() {
                     return never().await;
                 }
-                if inner.caps.release_notifications && watch.is_none() {
-                    // Subscribe before the attempt, so that a release after a
-                    // failed attempt is never missed.
-                    match inner.backend.watch_release(key).await {
-                        Ok(w) => watch = Some(w),
-                        Err(error) => tracing::debug!(%error, "release watch failed; waiting on the retry timer"),
-                    }
-                }
                 let slot_due = Instant::now() >= next_slot;
                 let owner = OwnerToken::new(&inner.node_id);
                 let sent_at = Instant::now();
@@ -444,6 +436,21 @@ impl Locker {
                         return Err(not_acquired(key, counted, last_error));
                     }
                     next_slot = sent_at.max(next_slot) + config.retry_delay;
+                }
+                if inner.caps.release_notifications && watch.is_none() {
+                    // Subscribe only once the key was found busy, so an
+                    // uncontended call pays nothing for it; then try again at
+                    // once, which sees any release made before the watch
+                    // existed, while the watch sees every one after.
+                    match inner.backend.watch_release(key).await {
+                        Ok(w) => {
+                            watch = Some(w);
+                            continue;
+                        }
+                        Err(error) => {
+                            tracing::debug!(%error, "release watch failed; waiting on the retry timer");
+                        }
+                    }
                 }
                 tracing::trace!(attempts = counted, "busy; waiting");
                 tokio::select! {

@@ -106,6 +106,7 @@ pub async fn o3_not_acquired_says_attempts_and_cause(factory: Arc<dyn BackendFac
         other => panic!("expected NotAcquired, got {other:?}"),
     }
     assert!(!err.callback_started());
+    assert!(err.is_busy(), "a busy key is busy");
     assert!(!ran.load(Ordering::SeqCst), "the callback must not run");
     held.release().await.unwrap();
 
@@ -128,6 +129,15 @@ pub async fn o3_not_acquired_says_attempts_and_cause(factory: Arc<dyn BackendFac
         } => {
             assert_eq!(attempts, 3);
             assert!(is_injected(&source), "the source is the backend's error");
+            assert!(
+                !LockError::NotAcquired {
+                    key: key.clone(),
+                    attempts,
+                    source: Some(source)
+                }
+                .is_busy(),
+                "a failing backend is not a busy key"
+            );
         }
         other => panic!("expected NotAcquired with a source, got {other:?}"),
     }

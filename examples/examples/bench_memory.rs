@@ -1,0 +1,180 @@
+//! P6: the cost of one uncontended `with_lock` cycle on the memory backend.
+//!
+//! Measures, in one run and on one multi-thread tokio runtime with 2 worker
+//! threads, the time per cycle of:
+//!
+//! - `tokio::sync::Mutex` lock and unlock: the SPEC's baseline;
+//! - a per-key map lookup (`std::sync::Mutex<HashMap<String, Arc<tokio
+//!   Mutex>>>`) then lock and unlock: a fairer baseline, since a lock
+//!   service must find the key's lock first;
+//! - `locker.with_lock(key, |_| async {})` on a `MemoryBackend`, the same
+//!   key every time;
+//! - `locker.with_lock_cancel_on_loss(key, &LockConfig::default(), ..)`.
+//!
+//! Each is warmed up, then run 5 times interleaved; the table shows the
+//! median ns per cycle and the ratio against both baselines, with the SPEC
+//! target P6 (≤ 10x a `tokio::sync::Mutex` cycle). Run it in release mode:
+//!
+//! ```text
+//! cargo run --release -p withlock-examples --example bench_memory
+//! ```
+
+use std::collections::HashMap;
+use std::error::Error;
+use std::hint::black_box;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use lock_core::{LockConfig, LockError, Locker};
+use lock_memory::MemoryBackend;
+
+const KEY: &str = "bench:p6";
+const WARMUP: u32 = 20_000;
+const ITERATIONS: u32 = 200_000;
+const RUNS: usize = 5;
+/// SPEC P6: a memory cycle costs at most this many `tokio::sync::Mutex` cycles.
+const TARGET_RATIO: f64 = 10.0;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Bench {
+    TokioMutex,
+    KeyedMutex,
+    WithLock,
+    WithLockCancelOnLoss,
+}
+
+impl Bench {
+    const ALL: [Self; 4] = [
+        Self::TokioMutex,
+        Self::KeyedMutex,
+        Self::WithLock,
+        Self::WithLockCancelOnLoss,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::TokioMutex => "tokio::sync::Mutex lock/unlock",
+            Self::KeyedMutex => "per-key map + tokio Mutex",
+            Self::WithLock => "with_lock (MemoryBackend)",
+            Self::WithLockCancelOnLoss => "with_lock_cancel_on_loss (default)",
+        }
+    }
+}
+
+/// What the cycles run against, built once.
+struct Fixture {
+    mutex: tokio::sync::Mutex<()>,
+    keyed: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locker: Locker,
+    config: LockConfig,
+}
+
+impl Fixture {
+    /// Runs `iterations` cycles of `bench` and says how long they took.
+    async fn measure(&self, bench: Bench, iterations: u32) -> Result<Duration, LockError> {
+        let started = Instant::now();
+        match bench {
+            Bench::TokioMutex => {
+                for _ in 0..iterations {
+                    drop(black_box(self.mutex.lock().await));
+                }
+            }
+            Bench::KeyedMutex => {
+                for _ in 0..iterations {
+                    let lock = self.keyed_lock(black_box(KEY));
+                    drop(black_box(lock.lock().await));
+                }
+            }
+            Bench::WithLock => {
+                for _ in 0..iterations {
+                    self.locker.with_lock(black_box(KEY), |_| async {}).await?;
+                }
+            }
+            Bench::WithLockCancelOnLoss => {
+                for _ in 0..iterations {
+                    self.locker
+                        .with_lock_cancel_on_loss(black_box(KEY), &self.config, |_| async {})
+                        .await?;
+                }
+            }
+        }
+        Ok(started.elapsed())
+    }
+
+    fn keyed_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut map = self.keyed.lock().unwrap_or_else(PoisonError::into_inner);
+        match map.get(key) {
+            Some(lock) => Arc::clone(lock),
+            None => Arc::clone(map.entry(key.to_owned()).or_default()),
+        }
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Box<dyn Error>> {
+    // Measure on a worker thread, where application code runs, not on the
+    // thread that blocks on `main`.
+    let medians = tokio::spawn(run()).await??;
+    print_table(&medians);
+    Ok(())
+}
+
+async fn run() -> Result<Vec<(Bench, f64)>, LockError> {
+    let fixture = Fixture {
+        mutex: tokio::sync::Mutex::new(()),
+        keyed: Mutex::default(),
+        locker: Locker::new(MemoryBackend::new()),
+        config: LockConfig::default(),
+    };
+    for bench in Bench::ALL {
+        fixture.measure(bench, WARMUP).await?;
+    }
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(RUNS); Bench::ALL.len()];
+    for _ in 0..RUNS {
+        for (i, bench) in Bench::ALL.into_iter().enumerate() {
+            let took = fixture.measure(bench, ITERATIONS).await?;
+            samples[i].push(took.as_nanos() as f64 / f64::from(ITERATIONS));
+        }
+    }
+    Ok(Bench::ALL
+        .into_iter()
+        .zip(samples)
+        .map(|(bench, mut ns)| {
+            ns.sort_by(f64::total_cmp);
+            (bench, ns[ns.len() / 2])
+        })
+        .collect())
+}
+
+fn print_table(medians: &[(Bench, f64)]) {
+    let baseline = |which: Bench| {
+        medians
+            .iter()
+            .find(|(bench, _)| *bench == which)
+            .map_or(f64::NAN, |(_, ns)| *ns)
+    };
+    let (mutex, keyed) = (baseline(Bench::TokioMutex), baseline(Bench::KeyedMutex));
+    println!(
+        "P6, memory backend: uncontended cycles on one key, 2 worker threads, \
+         median of {RUNS} interleaved runs of {ITERATIONS} cycles"
+    );
+    println!();
+    println!(
+        "{:<36} {:>10} {:>14} {:>14}   SPEC P6 <= {TARGET_RATIO}x",
+        "name", "ns/cycle", "vs tokio Mutex", "vs per-key map"
+    );
+    for &(bench, ns) in medians {
+        let verdict = match bench {
+            Bench::WithLock | Bench::WithLockCancelOnLoss if ns / mutex <= TARGET_RATIO => "PASS",
+            Bench::WithLock | Bench::WithLockCancelOnLoss => "MISS",
+            Bench::TokioMutex | Bench::KeyedMutex => "(baseline)",
+        };
+        println!(
+            "{:<36} {:>10.1} {:>13.2}x {:>13.2}x   {verdict}",
+            bench.name(),
+            ns,
+            ns / mutex,
+            ns / keyed
+        );
+    }
+}
