@@ -415,9 +415,9 @@ impl Locker {
                 if inner.shutdown.is_started() {
                     return never().await;
                 }
-                let slot_due = Instant::now() >= next_slot;
                 let owner = OwnerToken::new(&inner.node_id);
                 let sent_at = Instant::now();
+                let slot_due = sent_at >= next_slot;
                 let last_error = match inner.attempt(key, &owner, config.ttl).await {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
