@@ -26,8 +26,9 @@ pub enum LockError {
         /// Attempts counted against the budget (`retry_attempts + 1` when the
         /// budget ran out).
         attempts: u32,
-        /// The last backend error, when the last attempt failed on one rather
-        /// than finding the key busy.
+        /// The last backend error, when any attempt failed on one rather
+        /// than finding the key busy; `None` when every attempt found the
+        /// key held.
         #[source]
         source: Option<BackendError>,
     },
@@ -69,9 +70,9 @@ impl LockError {
         matches!(self, Self::NotAcquired { .. })
     }
 
-    /// The key was held by someone else on every attempt: [`NotAcquired`](Self::NotAcquired)
-    /// whose last attempt found the key busy rather than failing on a
-    /// backend error. This is "the task is already running elsewhere".
+    /// The key was held by someone else on every attempt:
+    /// [`NotAcquired`](Self::NotAcquired) with no backend error. This is
+    /// "the task is already running elsewhere".
     pub fn is_busy(&self) -> bool {
         matches!(self, Self::NotAcquired { source: None, .. })
     }

@@ -411,6 +411,8 @@ impl Locker {
             };
 
             let mut watch = None;
+            // The last attempt that failed on a backend error, if any did.
+            let mut last_error = None;
             loop {
                 if inner.shutdown.is_started() {
                     return never().await;
@@ -418,22 +420,22 @@ impl Locker {
                 let owner = OwnerToken::new(&inner.node_id);
                 let sent_at = Instant::now();
                 let slot_due = sent_at >= next_slot;
-                let last_error = match inner.attempt(key, &owner, config.ttl).await {
+                match inner.attempt(key, &owner, config.ttl).await {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
                         return self.hold(lease, config.ttl, sent_at, pass).await;
                     }
-                    Ok(AcquireOutcome::Busy) => None,
+                    Ok(AcquireOutcome::Busy) => {}
                     Err(error) => {
                         tracing::debug!(%error, "acquisition attempt failed");
-                        Some(error)
+                        last_error = Some(error);
                     }
-                };
+                }
                 if slot_due {
                     counted += 1;
                     if exhausted(counted) {
                         tracing::debug!(attempts = counted, "not acquired");
-                        return Err(not_acquired(key, counted, last_error));
+                        return Err(not_acquired(key, counted, last_error.take()));
                     }
                     next_slot = sent_at.max(next_slot) + config.retry_delay;
                 }
