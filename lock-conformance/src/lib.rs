@@ -119,6 +119,7 @@ macro_rules! __with_cases {
             step_extend_many_answers_in_order,
             step_release_is_idempotent,
             step_release_notifications_as_declared,
+            rel_exclusion_holds_under_faults,
         }
     };
 }

@@ -9,6 +9,7 @@ mod lost;
 mod mutex;
 mod outcome;
 mod reentrancy;
+mod reliability;
 mod shutdown;
 mod steps;
 
@@ -19,5 +20,6 @@ pub use lost::*;
 pub use mutex::*;
 pub use outcome::*;
 pub use reentrancy::*;
+pub use reliability::*;
 pub use shutdown::*;
 pub use steps::*;
