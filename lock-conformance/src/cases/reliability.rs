@@ -23,6 +23,8 @@ struct Ledger {
     refused: HashSet<u64>,
     /// How each call ended, by token: true when it returned `Lost`.
     lost: HashMap<u64, bool>,
+    /// Critical sections inside now that hold for longer than the ttl.
+    long_inside: usize,
 }
 
 /// Mutual exclusion holds under faults: several nodes, extenders starved
@@ -50,12 +52,18 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
     let run_for = Duration::from_secs(3);
     let started = Instant::now();
 
-    // The chaos: every node's extensions hang for longer than the ttl, then
-    // work again; attempts and releases fail now and then.
+    // The chaos: whenever a long critical section is inside, every node's
+    // extensions hang for longer than the ttl, so that holder's lock
+    // expires under it; attempts and releases fail now and then.
     let chaos_faults = faults.clone();
+    let chaos_ledger = Arc::clone(&ledger);
     let chaos = tokio::spawn(async move {
         let mut round = 0u32;
         while started.elapsed() < run_for {
+            if chaos_ledger.lock().unwrap().long_inside == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
             for f in &chaos_faults {
                 f.hang(Step::Extend, true);
                 if round % 2 == 0 {
@@ -63,11 +71,11 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                     f.fail_next(Step::Release, 1);
                 }
             }
-            tokio::time::sleep(SHORT_TTL + SHORT_TTL / 2).await;
+            tokio::time::sleep(SHORT_TTL * 3 / 2).await;
             for f in &chaos_faults {
                 f.hang(Step::Extend, false);
             }
-            tokio::time::sleep(SHORT_TTL).await;
+            tokio::time::sleep(SHORT_TTL / 2).await;
             round += 1;
         }
     });
@@ -80,8 +88,14 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                 let mut j = 0u64;
                 while started.elapsed() < run_for {
                     j += 1;
-                    // Hold for 0 to 1.5 ttl, so some holders outlive a hang.
-                    let hold = SHORT_TTL * ((i as u32 * 7 + w as u32 * 5 + j as u32 * 3) % 7) / 4;
+                    // Every third section holds for twice the ttl and so
+                    // outlives a hang; the others for up to half the ttl.
+                    let long = (i as u64 + w + j) % 3 == 0;
+                    let hold = if long {
+                        SHORT_TTL * 2
+                    } else {
+                        SHORT_TTL * ((i as u32 + j as u32) % 5) / 8
+                    };
                     let l = Arc::clone(&ledger);
                     let (token_tx, token_rx) = tokio::sync::oneshot::channel();
                     let call = n
@@ -95,9 +109,11 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                                     g.overlapped_older.insert(other.min(me));
                                 }
                                 g.inside.insert(me);
+                                g.long_inside += usize::from(long);
                             }
                             tokio::time::sleep(hold).await;
                             let mut g = l.lock().unwrap();
+                            g.long_inside -= usize::from(long);
                             if me >= g.store_max {
                                 g.store_max = me;
                             } else {
@@ -127,7 +143,7 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
     for f in &faults {
         f.hang(Step::Extend, false);
     }
-    // Detached callbacks of lost locks finish within 1.5 ttl.
+    // Detached callbacks of lost locks finish within twice the ttl.
     let deadline = Instant::now() + SOON;
     while !ledger.lock().unwrap().inside.is_empty() {
         assert!(
