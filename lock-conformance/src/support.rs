@@ -93,27 +93,26 @@ pub async fn within<T>(limit: Duration, what: &str, fut: impl Future<Output = T>
     }
 }
 
-/// Asserts that `key` is free: another node takes it at once.
-pub async fn assert_free(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
+/// One attempt by a fresh node to take `key`, released at once if taken.
+async fn probe(backend: &Arc<DynLockBackend>, key: &str, why: &str) -> Result<(), LockError> {
     let probe = node(Arc::clone(backend), "probe");
-    let got = within(
+    within(
         SOON,
         why,
         probe.with_lock_config(key, &once(), |_| async {}),
     )
-    .await;
+    .await
+}
+
+/// Asserts that `key` is free: another node takes it at once.
+pub async fn assert_free(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
+    let got = probe(backend, key, why).await;
     assert!(got.is_ok(), "{why}: key {key:?} is still held: {got:?}");
 }
 
 /// Asserts that `key` is held: another node cannot take it.
 pub async fn assert_held(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
-    let probe = node(Arc::clone(backend), "probe");
-    let got = within(
-        SOON,
-        why,
-        probe.with_lock_config(key, &once(), |_| async {}),
-    )
-    .await;
+    let got = probe(backend, key, why).await;
     assert!(
         matches!(got, Err(LockError::NotAcquired { .. })),
         "{why}: key {key:?} should be held, got {got:?}"

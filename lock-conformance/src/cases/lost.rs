@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockConfig, LockError, LossCause};
+use lock_core::{DynLockBackend, LockConfig, LockError, LossCause};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -46,18 +46,30 @@ async fn lost_with(call: tokio::task::JoinHandle<Result<(), LockError>>) -> Loss
     }
 }
 
+/// Holds `key` on a node whose extensions are lost on the way (they answer
+/// `Extended` without reaching the store), so the key really expires under
+/// a holder that cannot know yet.
+async fn hold_while_extensions_are_lost(
+    backend: &Arc<DynLockBackend>,
+    key: &str,
+) -> (
+    FaultInjector<Arc<DynLockBackend>>,
+    tokio::task::JoinHandle<Result<(), LockError>>,
+    oneshot::Sender<()>,
+) {
+    let faulty = FaultInjector::new(Arc::clone(backend));
+    let a = node(faulty.clone(), "a");
+    faulty.skip_extensions(true);
+    let (call, started, finish) = hold_in_background(&a, key, LockConfig::default().ttl(SHORT_TTL));
+    within(SOON, "callback start", started).await.unwrap();
+    (faulty, call, finish)
+}
+
 /// \[L1\] The key expired: lost at the next extension, cause `Expired`.
 pub async fn l1_expired_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
-    let ns = Namespace::new();
-    let key = ns.key("l1-expired");
-    let faulty = FaultInjector::new(Arc::clone(&backend));
-    let a = node(faulty.clone(), "a");
-    // Extensions are lost on the way: the key really expires.
-    faulty.skip_extensions(true);
-    let (call, started, _finish) =
-        hold_in_background(&a, &key, LockConfig::default().ttl(SHORT_TTL));
-    within(SOON, "callback start", started).await.unwrap();
+    let key = Namespace::new().key("l1-expired");
+    let (faulty, call, _finish) = hold_while_extensions_are_lost(&backend, &key).await;
     tokio::time::sleep(SHORT_TTL * 2).await;
     assert!(!call.is_finished(), "the holder cannot know yet");
     faulty.skip_extensions(false);
@@ -68,14 +80,8 @@ pub async fn l1_expired_key_is_lost_at_next_extension(factory: Arc<dyn BackendFa
 /// `Taken`, and the new owner's lock is untouched.
 pub async fn l1_taken_key_is_lost_at_next_extension(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
-    let ns = Namespace::new();
-    let key = ns.key("l1-taken");
-    let faulty = FaultInjector::new(Arc::clone(&backend));
-    let a = node(faulty.clone(), "a");
-    faulty.skip_extensions(true);
-    let (call, started, _finish) =
-        hold_in_background(&a, &key, LockConfig::default().ttl(SHORT_TTL));
-    within(SOON, "callback start", started).await.unwrap();
+    let key = Namespace::new().key("l1-taken");
+    let (faulty, call, _finish) = hold_while_extensions_are_lost(&backend, &key).await;
     let b = node(Arc::clone(&backend), "b");
     let mut thief = b.handle(&key, Duration::from_secs(30)).unwrap();
     let deadline = Instant::now() + SOON;
