@@ -45,3 +45,9 @@ async fn every_case_is_listed_once() {
         );
     }
 }
+
+/// `run_all` runs the same list from inside one async test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_all_runs_every_case_on_the_memory_backend() {
+    lock_conformance::run_all(|| async { MemoryBackend::new() }).await;
+}
