@@ -305,12 +305,14 @@ impl Registry {
         }
     }
 
-    /// Applies the answer to one batch sent at `sent_at`.
+    /// Applies the answer to one batch sent at `sent_at`. `timed_out`: the
+    /// error is the driver's own deadline, not the store's answer.
     fn apply(
         &self,
         batch: &Batch,
         sent_at: Instant,
         answer: Result<Vec<ExtendOutcome>, BackendError>,
+        timed_out: bool,
     ) {
         let now = Instant::now();
         let mut s = self.lock();
@@ -334,9 +336,15 @@ impl Registry {
                 Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
                 Err(error) => {
                     tracing::debug!(key = %e.lease.key(), error = %error, "lock extension failed; retrying");
+                    // A last try cut short by the validity deadline says less
+                    // than the store's own error before it.
+                    let error = match (&e.last_error, timed_out) {
+                        (Some(earlier), true) => earlier.clone(),
+                        _ => error.clone(),
+                    };
                     e.last_error = Some(error.clone());
                     if now >= e.valid_until {
-                        lost.push((id, LossCause::Backend(error.clone())));
+                        lost.push((id, LossCause::Backend(error)));
                     } else {
                         let due = (now + e.backoff).min(e.valid_until);
                         e.backoff = (e.backoff * 2).min(e.ttl / 6);
@@ -434,6 +442,7 @@ async fn send_batch(registry: Arc<Registry>, batch: Batch) {
     let sent_at = Instant::now();
     let deadline = batch.deadline.unwrap_or(sent_at);
     let call = registry.backend.extend_many(&batch.requests);
+    let mut timed_out = false;
     let answer = match tokio::time::timeout_at(deadline, call).await {
         Ok(Ok(outcomes)) if outcomes.len() == batch.requests.len() => Ok(outcomes),
         Ok(Ok(outcomes)) => Err(BackendError::message(
@@ -445,10 +454,13 @@ async fn send_batch(registry: Arc<Registry>, batch: Batch) {
             ),
         )),
         Ok(Err(error)) => Err(error),
-        Err(_) => Err(BackendError::timeout(
-            "extension",
-            deadline.saturating_duration_since(sent_at),
-        )),
+        Err(_) => {
+            timed_out = true;
+            Err(BackendError::timeout(
+                "extension",
+                deadline.saturating_duration_since(sent_at),
+            ))
+        }
     };
-    registry.apply(&batch, sent_at, answer);
+    registry.apply(&batch, sent_at, answer, timed_out);
 }

@@ -20,7 +20,7 @@ use crate::backend::{
 };
 use crate::config::{validate_key, LockConfig, LockerOptions, RetryAttempts};
 use crate::context::{held_by_current_task, Chain, LeaseState, LockContext};
-use crate::error::{BackendError, BackendErrorKind, LockError, LossCause};
+use crate::error::{BackendError, LockError, LossCause};
 use crate::extend::{spawn_release, Holder, Registry};
 use crate::gate::{GatePass, Gates};
 use crate::task::{finish_even_if_dropped, never};
@@ -84,26 +84,15 @@ impl Inner {
                 spawn_release(backend, Lease::new(k, o, fencing_token));
             }
         };
-        finish_even_if_dropped(step, orphan)
-            .await
-            .unwrap_or_else(|| Err(step_panicked("try_acquire")))
+        finish_even_if_dropped(step, orphan).await
     }
 
     /// Releases `lease`, going on to the end if the caller is dropped.
     pub(crate) async fn release(&self, lease: Lease) -> Result<ReleaseOutcome, BackendError> {
         let backend = Arc::clone(&self.backend);
         let step = async move { backend.release(&lease).await };
-        finish_even_if_dropped(step, |_| {})
-            .await
-            .unwrap_or_else(|| Err(step_panicked("release")))
+        finish_even_if_dropped(step, |_| {}).await
     }
-}
-
-fn step_panicked(step: &str) -> BackendError {
-    BackendError::message(
-        BackendErrorKind::Request,
-        format!("the backend's {step} panicked"),
-    )
 }
 
 #[derive(Default)]

@@ -1,35 +1,70 @@
 //! Running a backend step so that dropping its caller cannot strand a lock.
 
 use std::future::Future;
-use std::task::Poll;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
-use tokio::sync::oneshot;
-
-/// Runs `step` to its end even if the returned future is dropped.
+/// Runs `step` in place, and to its end even if this future is dropped.
 ///
-/// The step is polled once in place, which is all an in-memory step needs.
-/// If it is still pending, it moves into a task of its own and this future
-/// waits for its answer; if this future is dropped meanwhile, the task goes
-/// on and hands the answer to `orphan`. Returns `None` if the step panicked.
-pub(crate) async fn finish_even_if_dropped<T, S, O>(step: S, orphan: O) -> Option<T>
+/// The step is polled by the caller's own task, so the common path costs no
+/// task hop. If the future is dropped while the step is still pending (its
+/// request may already be on the wire), the step moves into a task of its
+/// own, and its answer goes to `orphan` there.
+pub(crate) fn finish_even_if_dropped<S, O>(step: S, orphan: O) -> FinishEvenIfDropped<S, O>
 where
-    T: Send + 'static,
-    S: Future<Output = T> + Send + 'static,
-    O: FnOnce(T) + Send + 'static,
+    S: Future + Send + 'static,
+    S::Output: Send + 'static,
+    O: FnOnce(S::Output) + Send + Unpin + 'static,
 {
-    let mut step = Box::pin(step);
-    let first = std::future::poll_fn(|cx| Poll::Ready(step.as_mut().poll(cx))).await;
-    if let Poll::Ready(answer) = first {
-        return Some(answer);
+    FinishEvenIfDropped {
+        step: Some(Box::pin(step)),
+        orphan: Some(orphan),
     }
-    let (tx, rx) = oneshot::channel();
-    tokio::spawn(async move {
-        let answer = step.await;
-        if let Err(answer) = tx.send(answer) {
-            orphan(answer);
+}
+
+/// The future of [`finish_even_if_dropped`].
+pub(crate) struct FinishEvenIfDropped<S, O>
+where
+    S: Future + Send + 'static,
+    S::Output: Send + 'static,
+    O: FnOnce(S::Output) + Send + Unpin + 'static,
+{
+    step: Option<Pin<Box<S>>>,
+    orphan: Option<O>,
+}
+
+impl<S, O> Future for FinishEvenIfDropped<S, O>
+where
+    S: Future + Send + 'static,
+    S::Output: Send + 'static,
+    O: FnOnce(S::Output) + Send + Unpin + 'static,
+{
+    type Output = S::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<S::Output> {
+        let Some(step) = self.step.as_mut() else {
+            panic!("FinishEvenIfDropped polled after it finished");
+        };
+        let answer = std::task::ready!(step.as_mut().poll(cx));
+        self.step = None;
+        Poll::Ready(answer)
+    }
+}
+
+impl<S, O> Drop for FinishEvenIfDropped<S, O>
+where
+    S: Future + Send + 'static,
+    S::Output: Send + 'static,
+    O: FnOnce(S::Output) + Send + Unpin + 'static,
+{
+    fn drop(&mut self) {
+        let (Some(step), Some(orphan)) = (self.step.take(), self.orphan.take()) else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { orphan(step.await) });
         }
-    });
-    rx.await.ok()
+    }
 }
 
 /// A future that never settles: what `with_lock` becomes on a locker that
@@ -42,10 +77,11 @@ pub(crate) async fn never<T>() -> T {
 mod tests {
     use super::*;
     use std::time::Duration;
+    use tokio::sync::oneshot;
 
     #[tokio::test]
     async fn a_ready_step_answers_in_place() {
-        assert_eq!(finish_even_if_dropped(async { 7 }, |_| {}).await, Some(7));
+        assert_eq!(finish_even_if_dropped(async { 7 }, |_| {}).await, 7);
     }
 
     #[tokio::test]

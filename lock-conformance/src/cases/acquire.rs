@@ -54,12 +54,17 @@ pub async fn a1_first_attempt_at_once_then_spaced_retries(factory: Arc<dyn Backe
     let elapsed = started.elapsed();
     assert_eq!(attempts_of(&err), 4);
     // With notifications, the first busy answer subscribes and tries once
-    // more at once (not counted), so no release before the watch is missed.
-    let extra = u64::from(backend.capabilities().release_notifications);
-    assert_eq!(
-        counting.calls(Step::TryAcquire),
-        4 + extra,
-        "one attempt at once and three retries"
+    // more at once (not counted), so no release before the watch is missed;
+    // a wake-up is a hint, so a backend may add a spurious one or two.
+    let calls = counting.calls(Step::TryAcquire);
+    let extra = if backend.capabilities().release_notifications {
+        3
+    } else {
+        0
+    };
+    assert!(
+        (4..=4 + extra).contains(&calls),
+        "one attempt at once and three retries, plus extra attempts on wake-ups only: saw {calls}"
     );
     assert!(
         elapsed >= delay * 3,

@@ -61,7 +61,8 @@ pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFac
     let mut h = crashed.handle(&key, ttl).unwrap();
     let taken_at = Instant::now();
     assert!(h.acquire().await.unwrap());
-    std::mem::forget(h);
+    // Dropped without a release ever reaching the store.
+    drop(h);
 
     let b_token = within(
         SOON,
