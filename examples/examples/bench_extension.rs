@@ -22,14 +22,10 @@
 //! ```
 
 use std::error::Error;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, LockConfig, Locker, OwnerToken, ReleaseOutcome, ReleaseWatch,
-};
+use lock_conformance::{CountingBackend, Step};
+use lock_core::{LockBackend, LockConfig, Locker};
 use lock_memory::MemoryBackend;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -93,16 +89,16 @@ async fn main() -> Result {
     })
     .await?;
     tokio::time::sleep(PERIOD / 2).await;
-    let (calls_0, leases_0) = (backend.extend_calls(), backend.extended_leases());
+    let (calls_0, leases_0) = (backend.calls(Step::Extend), backend.extended_leases());
     let holding = measure_cpu(window, clock_ticks).await?;
-    let calls = backend.extend_calls() - calls_0;
+    let calls = backend.calls(Step::Extend) - calls_0;
     let leases = backend.extended_leases() - leases_0;
 
     finish.send_replace(true);
     while let Some(holder) = holders.join_next().await {
         holder??;
     }
-    if backend.inner.held_keys() != 0 {
+    if backend.inner().held_keys() != 0 {
         return Err("locks were left held".into());
     }
 
@@ -222,76 +218,4 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Result {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     Ok(())
-}
-
-/// A backend in front of a [`MemoryBackend`] that counts the extension calls
-/// and the leases they carry. Every step is forwarded as is.
-#[derive(Clone, Debug)]
-struct CountingBackend {
-    inner: MemoryBackend,
-    extend_calls: Arc<AtomicU64>,
-    extended_leases: Arc<AtomicU64>,
-}
-
-impl CountingBackend {
-    fn new(inner: MemoryBackend) -> Self {
-        Self {
-            inner,
-            extend_calls: Arc::default(),
-            extended_leases: Arc::default(),
-        }
-    }
-
-    /// `extend` and `extend_many` calls so far: each is one round trip.
-    fn extend_calls(&self) -> u64 {
-        self.extend_calls.load(Ordering::SeqCst)
-    }
-
-    /// Leases carried by those calls so far.
-    fn extended_leases(&self) -> u64 {
-        self.extended_leases.load(Ordering::SeqCst)
-    }
-
-    fn count(&self, leases: usize) {
-        self.extend_calls.fetch_add(1, Ordering::SeqCst);
-        self.extended_leases
-            .fetch_add(leases as u64, Ordering::SeqCst);
-    }
-}
-
-#[async_trait]
-impl LockBackend for CountingBackend {
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        self.inner.try_acquire(key, owner, ttl).await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
-        self.count(1);
-        self.inner.extend(lease, ttl).await
-    }
-
-    async fn extend_many(
-        &self,
-        requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
-        self.count(requests.len());
-        self.inner.extend_many(requests).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        self.inner.release(lease).await
-    }
-
-    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        self.inner.watch_release(key).await
-    }
 }

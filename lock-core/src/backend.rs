@@ -234,9 +234,10 @@ impl Capabilities {
 /// nothing half-done that a later call with the same lease cannot undo: a
 /// dropped `try_acquire` may have taken the key (the driver releases it with
 /// the same owner token), a dropped `extend` or `release` may or may not have
-/// been applied. The driver polls each acquisition and release to its end in
-/// a task of its own once it needed more than one poll, so a dropped
-/// `with_lock` never strands a lock.
+/// been applied. The driver polls each acquisition and release in place;
+/// when its caller is dropped with the step still pending, the step goes on
+/// to its end in a task of its own, so a dropped `with_lock` never strands a
+/// lock.
 #[async_trait]
 pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// What this backend can do beyond the required steps.

@@ -1,0 +1,357 @@
+//! `PostgresBackend`: the lock steps as single statements on the user's pool.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{
+    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
+    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    MAX_KEY_LEN,
+};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Row;
+
+use crate::config::PostgresConfig;
+use crate::error::{step_error, step_timeout, PostgresError};
+use crate::listener::Listener;
+use crate::sql::{Statements, EXPIRED, EXTENDED, MIGRATIONS, TAKEN};
+
+/// How many leases one [`LockBackend::extend_many`] call carries: one
+/// statement with three arrays of this length.
+pub const MAX_EXTEND_BATCH: usize = 1000;
+
+/// A lock backend on PostgreSQL: one row per key in a Ruby-Locker-style
+/// table, every step one autocommit statement timed by the database clock.
+///
+/// Cheap to clone; clones share the pool and the listening connection. The
+/// listening task stops when the last clone is dropped.
+#[derive(Clone)]
+pub struct PostgresBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    config: PostgresConfig,
+    table: String,
+    sql: Statements,
+    hub: ReleaseHub,
+    listener: Option<Listener>,
+}
+
+impl PostgresBackend {
+    /// A backend on `pool`, with the table and channel `config` names.
+    /// Touches nothing: run [`migrate`](Self::migrate) once to create the
+    /// table. The listening connection opens at the first wait.
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresError::InvalidConfig`] when `config` does not validate.
+    pub fn new(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
+        config.validate()?;
+        let table = config.qualified_table()?;
+        let sql = Statements::new(&table, config.notifications);
+        let hub = ReleaseHub::new();
+        let listener = config.notifications.then(|| {
+            Listener::new(
+                &pool,
+                &config.channel,
+                hub.clone(),
+                config.statement_timeout,
+            )
+        });
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                table,
+                sql,
+                hub,
+                listener,
+            }),
+        })
+    }
+
+    /// Connects a pool to `url` and makes a backend with the default
+    /// config. See [`from_url_with`](Self::from_url_with).
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresError::Connect`] when the database cannot be reached.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the pool being connected; nothing is left.
+    pub async fn from_url(url: &str) -> Result<Self, PostgresError> {
+        Self::from_url_with(url, PostgresConfig::default()).await
+    }
+
+    /// Connects a pool to `url` and makes a backend with `config`. The pool
+    /// has sqlx's defaults (10 connections) except its acquire timeout,
+    /// three quarters of the statement timeout, so that a database that
+    /// cannot be reached fails a step with sqlx's own error. One
+    /// connection is opened at once to check the URL.
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresError::InvalidConfig`] or [`PostgresError::Connect`]; the
+    /// error never shows the URL.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the pool being connected; nothing is left.
+    pub async fn from_url_with(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
+        config.validate()?;
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(config.statement_timeout * 3 / 4)
+            .connect(url)
+            .await
+            .map_err(PostgresError::Connect)?;
+        Self::new(pool, config)
+    }
+
+    /// The pool the steps run on.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The config the backend was made with.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.inner.config
+    }
+
+    /// The quoted, schema-qualified table name, as the statements use it.
+    pub fn qualified_table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// The SQL text of the three steps (acquire, extend, release), for
+    /// review: they read the time from the database only and bind only the
+    /// key, the owner token, the ttl in microseconds and the channel.
+    pub fn statements(&self) -> [&str; 3] {
+        self.inner.sql.all()
+    }
+
+    /// Creates the lock table if it does not exist, running each file of
+    /// `migrations/` as one transaction. A transaction-scoped advisory lock
+    /// on the table name keeps two nodes from migrating at once. The schema
+    /// must exist. Idempotent: run it at every start if you like.
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresError::Migrate`] naming the file; nothing is changed then.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future rolls the transaction back.
+    pub async fn migrate(&self) -> Result<(), PostgresError> {
+        for (name, text) in MIGRATIONS {
+            // One simple-query message of several statements runs as one
+            // implicit transaction: the server rolls it all back if any
+            // statement fails, and the advisory lock lasts until it ends.
+            // (An explicit BEGIN would leave an aborted transaction on the
+            // pooled connection after an error.)
+            let script = format!(
+                "SELECT pg_advisory_xact_lock({}); {}",
+                migration_lock_key(&self.inner.table),
+                text.replace("{{table}}", &self.inner.table)
+            );
+            sqlx::raw_sql(&script)
+                .execute(&self.inner.pool)
+                .await
+                .map_err(|source| PostgresError::Migrate {
+                    migration: name,
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Runs one step within the statement timeout.
+    async fn step<T>(
+        &self,
+        name: &'static str,
+        fut: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, BackendError> {
+        let after = self.inner.config.statement_timeout;
+        match tokio::time::timeout(after, fut).await {
+            Ok(result) => result.map_err(step_error),
+            Err(_) => Err(step_timeout(name, after)),
+        }
+    }
+}
+
+/// The advisory lock key that serialises migrations of one table: a
+/// 64-bit FNV-1a hash of its qualified name, the same on every node.
+fn migration_lock_key(table: &str) -> i64 {
+    let hash = format!("withlock migrate {table}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    i64::from_ne_bytes(hash.to_ne_bytes())
+}
+
+/// The ttl as the statements take it, in whole microseconds (the
+/// precision of a PostgreSQL timestamp).
+fn micros(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn protocol(message: impl Into<String>) -> BackendError {
+    BackendError::message(BackendErrorKind::Protocol, message)
+}
+
+impl fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the password: only the parts of the connect options that
+        // say where the locks are.
+        let options = self.inner.pool.connect_options();
+        f.debug_struct("PostgresBackend")
+            .field("host", &options.get_host())
+            .field("port", &options.get_port())
+            .field("database", &options.get_database())
+            .field("username", &options.get_username())
+            .field("table", &self.inner.table)
+            .field("channel", &self.inner.config.channel)
+            .field("notifications", &self.inner.config.notifications)
+            .field("statement_timeout", &self.inner.config.statement_timeout)
+            .finish()
+    }
+}
+
+/// # Cancel safety
+///
+/// A dropped step may or may not have been applied by the server, never
+/// half: each is one autocommit statement. No step leaves session state on
+/// the connection, so a dropped future never strands a lock on a pooled
+/// connection.
+#[async_trait]
+impl LockBackend for PostgresBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_release_notifications(self.inner.config.notifications)
+            .with_max_key_len(MAX_KEY_LEN)
+            .with_max_extend_batch(MAX_EXTEND_BATCH)
+    }
+
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let sequence = self
+            .step(
+                "try_acquire",
+                sqlx::query_scalar::<_, i64>(&self.inner.sql.acquire)
+                    .bind(key)
+                    .bind(owner.as_str())
+                    .bind(micros(ttl))
+                    .fetch_optional(&self.inner.pool),
+            )
+            .await?;
+        match sequence {
+            None => Ok(AcquireOutcome::Busy),
+            Some(sequence) => u64::try_from(sequence)
+                .map(|fencing_token| AcquireOutcome::Acquired { fencing_token })
+                .map_err(|_| protocol(format!("negative sequence {sequence} for the key"))),
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        let request = ExtendRequest {
+            lease: lease.clone(),
+            ttl,
+        };
+        let outcomes = self.extend_many(std::slice::from_ref(&request)).await?;
+        outcomes
+            .into_iter()
+            .next()
+            .ok_or_else(|| protocol("no outcome for the extension"))
+    }
+
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys: Vec<&str> = requests.iter().map(|r| r.lease.key()).collect();
+        let owners: Vec<&str> = requests.iter().map(|r| r.lease.owner().as_str()).collect();
+        let ttls: Vec<i64> = requests.iter().map(|r| micros(r.ttl)).collect();
+        let rows = self
+            .step(
+                "extend",
+                sqlx::query_as::<_, (i64, i32)>(&self.inner.sql.extend)
+                    .bind(&keys)
+                    .bind(&owners)
+                    .bind(&ttls)
+                    .fetch_all(&self.inner.pool),
+            )
+            .await?;
+        if rows.len() != requests.len() {
+            return Err(protocol(format!(
+                "{} outcomes for {} extensions",
+                rows.len(),
+                requests.len()
+            )));
+        }
+        // Rows come ordered by request position (1-based).
+        rows.into_iter()
+            .enumerate()
+            .map(|(i, (ord, outcome))| {
+                if usize::try_from(ord).ok() != Some(i + 1) {
+                    return Err(protocol(format!("extension outcome {ord} out of order")));
+                }
+                match outcome {
+                    EXTENDED => Ok(ExtendOutcome::Extended),
+                    EXPIRED => Ok(ExtendOutcome::Expired),
+                    TAKEN => Ok(ExtendOutcome::Taken),
+                    other => Err(protocol(format!("unknown extension outcome {other}"))),
+                }
+            })
+            .collect()
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        let mut query = sqlx::query(&self.inner.sql.release)
+            .bind(lease.key())
+            .bind(lease.owner().as_str());
+        if self.inner.config.notifications {
+            query = query.bind(&self.inner.config.channel);
+        }
+        let row = self
+            .step("release", query.fetch_optional(&self.inner.pool))
+            .await?;
+        // A row whose locked_by was still ours but whose time had run out
+        // is cleared too, yet counts as not held: the lease had ended.
+        let held = match row {
+            None => false,
+            Some(row) => row
+                .try_get::<Option<bool>, _>(0)
+                .map_err(step_error)?
+                .unwrap_or(false),
+        };
+        Ok(if held {
+            ReleaseOutcome::Released
+        } else {
+            ReleaseOutcome::NotHeld
+        })
+    }
+
+    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        let Some(listener) = &self.inner.listener else {
+            return Ok(ReleaseWatch::never());
+        };
+        // The watch first, then LISTEN: a release between the two is caught
+        // by the watch, since the listener wakes every watch when it
+        // (re)connects.
+        let watch = self.inner.hub.watch(key);
+        listener.ensure_listening().await?;
+        Ok(watch)
+    }
+}

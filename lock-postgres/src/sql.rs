@@ -1,0 +1,99 @@
+//! The statements of the lock steps, one autocommit statement each.
+//!
+//! Every time comes from the database (`clock_timestamp()`, read once per
+//! statement in the `now` CTE), in UTC without a time zone as Ruby Locker
+//! writes it. The client sends only the key, the owner token and the ttl as
+//! a number of microseconds, never a timestamp.
+
+/// The database's current time, as Ruby Locker stores it.
+const NOW: &str = "WITH now AS (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t)";
+
+/// The migrations shipped in `migrations/`, in order, with `{{table}}`
+/// standing for the quoted, schema-qualified table name.
+pub(crate) const MIGRATIONS: &[(&str, &str)] = &[(
+    "0001_create_locks.sql",
+    include_str!("../migrations/0001_create_locks.sql"),
+)];
+
+/// The statements for one table, built once per backend.
+#[derive(Clone, Debug)]
+pub(crate) struct Statements {
+    /// `$1` key, `$2` owner, `$3` ttl in µs. Returns `sequence` when taken,
+    /// no row when busy.
+    pub(crate) acquire: String,
+    /// `$1` keys, `$2` owners, `$3` ttls in µs (arrays of equal length).
+    /// Returns `(ord, outcome)` per request in order: 0 extended, 1 expired
+    /// (free, expired or missing), 2 taken (another owner, not expired).
+    pub(crate) extend: String,
+    /// `$1` key, `$2` owner, and `$3` channel when notifications are on.
+    /// Returns one row, `held` (whether the lease was still valid), when
+    /// `locked_by` was ours; no row otherwise.
+    pub(crate) release: String,
+}
+
+/// The outcome codes of [`Statements::extend`].
+pub(crate) const EXTENDED: i32 = 0;
+pub(crate) const EXPIRED: i32 = 1;
+pub(crate) const TAKEN: i32 = 2;
+
+impl Statements {
+    pub(crate) fn new(table: &str, notify: bool) -> Self {
+        // A row is free when nobody holds it or its holder's time ran out
+        // (Ruby Locker's `locked_until < now`).
+        let acquire = format!(
+            "{NOW} \
+             INSERT INTO {table} AS l (key, locked_by, locked_at, locked_until, sequence) \
+             SELECT $1, $2, now.t, now.t + $3::bigint * interval '1 microsecond', 1 FROM now \
+             ON CONFLICT (key) DO UPDATE \
+             SET locked_by = excluded.locked_by, locked_at = excluded.locked_at, \
+                 locked_until = excluded.locked_until, sequence = l.sequence + 1 \
+             WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
+             RETURNING l.sequence"
+        );
+        // The update touches only rows still held by the lease; the outer
+        // select tells an expired or missing row from another owner's.
+        let extend = format!(
+            "{NOW}, \
+             req AS (SELECT r.key, r.owner, r.ttl_us, r.ord \
+                     FROM unnest($1::text[], $2::text[], $3::bigint[]) \
+                          WITH ORDINALITY AS r(key, owner, ttl_us, ord)), \
+             extended AS (UPDATE {table} AS l \
+                          SET locked_until = now.t + req.ttl_us * interval '1 microsecond' \
+                          FROM req, now \
+                          WHERE l.key = req.key AND l.locked_by = req.owner \
+                            AND l.locked_until >= now.t \
+                          RETURNING l.key, l.locked_by) \
+             SELECT req.ord, CASE \
+               WHEN e.key IS NOT NULL THEN {EXTENDED} \
+               WHEN l.locked_by IS NOT NULL AND l.locked_by <> req.owner \
+                    AND l.locked_until >= now.t THEN {TAKEN} \
+               ELSE {EXPIRED} END AS outcome \
+             FROM req CROSS JOIN now \
+             LEFT JOIN extended AS e ON e.key = req.key AND e.locked_by = req.owner \
+             LEFT JOIN {table} AS l ON l.key = req.key \
+             ORDER BY req.ord"
+        );
+        // Release keeps the row, its sequence and its locked_until (as Ruby
+        // Locker does), and announces the key in the same statement.
+        // pg_notify runs once per row the select returns; its void result
+        // is sent back and ignored.
+        let announce = if notify { ", pg_notify($3, r.key)" } else { "" };
+        let release = format!(
+            "{NOW}, \
+             released AS (UPDATE {table} AS l SET locked_by = NULL FROM now \
+                          WHERE l.key = $1 AND l.locked_by = $2 \
+                          RETURNING l.key, l.locked_until >= now.t AS held) \
+             SELECT r.held{announce} FROM released AS r"
+        );
+        Self {
+            acquire,
+            extend,
+            release,
+        }
+    }
+
+    /// Every statement, for tests that check what the backend sends.
+    pub(crate) fn all(&self) -> [&str; 3] {
+        [&self.acquire, &self.extend, &self.release]
+    }
+}

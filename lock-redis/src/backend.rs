@@ -1,0 +1,446 @@
+//! `RedisBackend`: the lock steps as one Lua script each, on the user's pool.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use deadpool_redis::{Pool, PoolError, Runtime};
+use lock_core::{
+    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
+    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+};
+use redis::aio::MultiplexedConnection;
+use redis::Script;
+
+use crate::config::{RedisConfig, SetupError};
+use crate::slot::fence_key;
+use crate::subscription::Subscription;
+
+static ACQUIRE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/acquire.lua")));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
+static RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
+
+/// The name of the release channel, after the prefix.
+pub const CHANNEL: &str = "withlock:released";
+
+/// A lock backend on Redis: `SET NX PX`, a fencing counter per key, and
+/// release notifications over one pub/sub connection.
+///
+/// Cheap to clone; clones share the pool and the subscription. The
+/// subscription task ends when the last clone is dropped.
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    /// One multiplexed connection taken from the pool, shared by every
+    /// step: a pool checkout costs a `PING` round trip each time. Dropped
+    /// after a connection error or timeout; the next step takes a new one.
+    shared: std::sync::Mutex<Option<MultiplexedConnection>>,
+    config: RedisConfig,
+    channel: String,
+    server: String,
+    has_password: bool,
+    subscription: Option<Subscription>,
+}
+
+impl RedisBackend {
+    /// A backend on the user's `pool`, with the default [`RedisConfig`].
+    ///
+    /// `client` opens the one pub/sub connection of the backend; it should
+    /// point at the same server as the pool. Nothing connects until the
+    /// first call.
+    pub fn new(pool: Pool, client: redis::Client) -> Self {
+        Self::build(pool, client, RedisConfig::default())
+    }
+
+    /// A backend on the user's `pool` with `config`.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidConfig`] when a field of `config` is out of range.
+    pub fn with_config(
+        pool: Pool,
+        client: redis::Client,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        config.validate()?;
+        Ok(Self::build(pool, client, config))
+    }
+
+    /// A backend with a pool of its own, from a URL such as
+    /// `redis://:password@host:6379/0`. The pool has deadpool's default size.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidUrl`] when `url` does not parse, and
+    /// [`SetupError::Pool`] when the pool cannot be made. Nothing connects
+    /// yet: an unreachable server or a wrong password shows at the first
+    /// lock call, as a [`BackendError`] with the Redis error as source.
+    pub fn from_url(url: &str) -> Result<Self, SetupError> {
+        Self::from_url_with_config(url, RedisConfig::default())
+    }
+
+    /// [`from_url`](Self::from_url) with `config`.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_url`](Self::from_url), and [`SetupError::InvalidConfig`].
+    pub fn from_url_with_config(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
+        config.validate()?;
+        let client = redis::Client::open(url).map_err(SetupError::InvalidUrl)?;
+        let pool =
+            deadpool_redis::Config::from_connection_info(client.get_connection_info().clone())
+                .create_pool(Some(Runtime::Tokio1))
+                .map_err(SetupError::Pool)?;
+        Ok(Self::build(pool, client, config))
+    }
+
+    fn build(pool: Pool, client: redis::Client, config: RedisConfig) -> Self {
+        let info = client.get_connection_info();
+        let server = match &info.addr {
+            redis::ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}"),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}"),
+            redis::ConnectionAddr::Unix(path) => format!("unix://{}", path.display()),
+            #[allow(unreachable_patterns)]
+            _ => "redis://?".to_owned(),
+        };
+        let server = format!("{server}/{}", info.redis.db);
+        let has_password = info.redis.password.is_some();
+        let channel = format!("{}{CHANNEL}", config.prefix);
+        let subscription = config
+            .release_notifications
+            .then(|| Subscription::new(client, channel.clone(), config.prefix.clone(), &config));
+        Self {
+            inner: Arc::new(Inner {
+                pool,
+                shared: std::sync::Mutex::new(None),
+                config,
+                channel,
+                server,
+                has_password,
+                subscription,
+            }),
+        }
+    }
+
+    /// The pool the backend takes its connection from.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The configuration the backend was made with.
+    pub fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// The Redis key that holds the lock of `key`: the prefix, then `key`.
+    pub fn lock_key<'k>(&self, key: &'k str) -> Cow<'k, str> {
+        if self.inner.config.prefix.is_empty() {
+            Cow::Borrowed(key)
+        } else {
+            Cow::Owned(format!("{}{key}", self.inner.config.prefix))
+        }
+    }
+
+    /// The Redis key of the fencing counter of `key`, in the same Redis
+    /// Cluster hash slot as [`lock_key`](Self::lock_key). It never expires:
+    /// one small integer key per lock key ever used.
+    pub fn fence_key(&self, key: &str) -> String {
+        fence_key(&self.lock_key(key))
+    }
+
+    /// The pub/sub channel releases are published on: the prefix, then
+    /// `withlock:released`. Each message is the released Redis key.
+    pub fn channel(&self) -> &str {
+        &self.inner.channel
+    }
+
+    /// Whether the release subscription is in place now (always false with
+    /// notifications off, and before the first wait).
+    pub fn is_subscribed(&self) -> bool {
+        self.inner
+            .subscription
+            .as_ref()
+            .is_some_and(Subscription::is_subscribed)
+    }
+
+    /// Runs `work` within the command timeout.
+    async fn bounded<T>(
+        &self,
+        step: &'static str,
+        work: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        let limit = self.inner.config.command_timeout;
+        let answer = match tokio::time::timeout(limit, work).await {
+            Ok(answer) => answer,
+            Err(_) => Err(BackendError::timeout(step, limit)),
+        };
+        if let Err(error) = &answer {
+            self.forget_connection_after(error);
+        }
+        answer
+    }
+
+    /// The shared connection, taken from the pool if there is none.
+    async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+        if let Some(conn) = self.shared_slot().as_ref() {
+            return Ok(conn.clone());
+        }
+        let pooled = self.inner.pool.get().await.map_err(|e| match e {
+            PoolError::Backend(e) => map_redis_error(e),
+            other => BackendError::request(other),
+        })?;
+        let conn = deadpool_redis::Connection::take(pooled);
+        *self.shared_slot() = Some(conn.clone());
+        Ok(conn)
+    }
+
+    fn shared_slot(&self) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
+        self.inner
+            .shared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Forgets the shared connection after an error that may mean it is
+    /// broken, so the next step takes a fresh one from the pool.
+    fn forget_connection_after(&self, error: &BackendError) {
+        let broken = error.is_timeout()
+            || error
+                .inner()
+                .downcast_ref::<redis::RedisError>()
+                .is_none_or(|e| {
+                    e.is_io_error()
+                        || e.is_connection_dropped()
+                        || e.is_connection_refusal()
+                        || e.is_unrecoverable_error()
+                        || e.is_timeout()
+                });
+        if broken {
+            *self.shared_slot() = None;
+        }
+    }
+
+    async fn run_script(
+        &self,
+        step: &'static str,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<i64, BackendError> {
+        self.bounded(step, async {
+            let mut conn = self.connection().await?;
+            let mut call = script.prepare_invoke();
+            for key in keys {
+                call.key(*key);
+            }
+            for arg in args {
+                call.arg(*arg);
+            }
+            call.invoke_async(&mut conn).await.map_err(map_redis_error)
+        })
+        .await
+    }
+}
+
+/// Maps a Redis error to a backend error, keeping it as the source.
+pub(crate) fn map_redis_error(error: redis::RedisError) -> BackendError {
+    let kind = if error.is_timeout() {
+        BackendErrorKind::Timeout
+    } else {
+        BackendErrorKind::Request
+    };
+    BackendError::new(kind, error)
+}
+
+fn ttl_ms(ttl: Duration) -> String {
+    ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
+}
+
+fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
+    match answer {
+        1 => Ok(ExtendOutcome::Extended),
+        0 => Ok(ExtendOutcome::Expired),
+        -1 => Ok(ExtendOutcome::Taken),
+        other => Err(unexpected("extend", other)),
+    }
+}
+
+fn unexpected(step: &str, answer: i64) -> BackendError {
+    BackendError::message(
+        BackendErrorKind::Protocol,
+        format!("the {step} script answered {answer}"),
+    )
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the pool or the client: their Debug shows the password.
+        let status = self.inner.pool.status();
+        f.debug_struct("RedisBackend")
+            .field("server", &self.inner.server)
+            .field(
+                "password",
+                &if self.inner.has_password {
+                    "<redacted>"
+                } else {
+                    "<none>"
+                },
+            )
+            .field("channel", &self.inner.channel)
+            .field("config", &self.inner.config)
+            .field("pool_size", &status.size)
+            .field("subscribed", &self.is_subscribed())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl LockBackend for RedisBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_release_notifications(self.inner.subscription.is_some())
+            .with_max_key_len(MAX_KEY_LEN)
+            .with_max_extend_batch(self.inner.config.max_extend_batch)
+    }
+
+    /// `SET key token NX PX ttl`, and if it took the key, `INCR` of the
+    /// fencing companion, in one script.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may have taken the key; a release with the same owner
+    /// token frees it.
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let lock_key = self.lock_key(key);
+        let fence = fence_key(&lock_key);
+        let answer = self
+            .run_script(
+                "acquisition",
+                &ACQUIRE,
+                &[&lock_key, &fence],
+                &[owner.as_str(), &ttl_ms(ttl)],
+            )
+            .await?;
+        match u64::try_from(answer) {
+            Ok(0) => Ok(AcquireOutcome::Busy),
+            Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
+            Err(_) => Err(unexpected("acquire", answer)),
+        }
+    }
+
+    /// `PEXPIRE` if the key still holds the owner token, in one script.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may or may not have extended the key.
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        let answer = self
+            .run_script(
+                "extension",
+                &EXTEND,
+                &[&self.lock_key(lease.key())],
+                &[lease.owner().as_str(), &ttl_ms(ttl)],
+            )
+            .await?;
+        extend_outcome(answer)
+    }
+
+    /// One pipeline of `EVALSHA` of the extension script, one per lease: one
+    /// round trip. After `NOSCRIPT` (a restarted or flushed server) the
+    /// script is loaded and the whole pipeline sent again, which is safe
+    /// since an extension can be repeated.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may have extended some of the leases.
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for request in requests {
+            pipe.cmd("EVALSHA")
+                .arg(EXTEND.get_hash())
+                .arg(1)
+                .arg(self.lock_key(request.lease.key()).as_ref())
+                .arg(request.lease.owner().as_str())
+                .arg(ttl_ms(request.ttl));
+        }
+        let answers: Vec<i64> = self
+            .bounded("extension", async {
+                let mut conn = self.connection().await?;
+                match pipe.query_async(&mut conn).await {
+                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                        EXTEND
+                            .load_async(&mut conn)
+                            .await
+                            .map_err(map_redis_error)?;
+                        pipe.query_async(&mut conn).await.map_err(map_redis_error)
+                    }
+                    answer => answer.map_err(map_redis_error),
+                }
+            })
+            .await?;
+        if answers.len() != requests.len() {
+            return Err(BackendError::message(
+                BackendErrorKind::Protocol,
+                format!("{} answers to {} extensions", answers.len(), requests.len()),
+            ));
+        }
+        answers.into_iter().map(extend_outcome).collect()
+    }
+
+    /// `DEL` if the key still holds the owner token, then `PUBLISH` of the
+    /// key on the release channel, in one script.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may or may not have released the key; calling again
+    /// is safe.
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        let answer = self
+            .run_script(
+                "release",
+                &RELEASE,
+                &[&self.lock_key(lease.key())],
+                &[lease.owner().as_str(), &self.inner.channel],
+            )
+            .await?;
+        match answer {
+            1 => Ok(ReleaseOutcome::Released),
+            0 => Ok(ReleaseOutcome::NotHeld),
+            other => Err(unexpected("release", other)),
+        }
+    }
+
+    /// A watch on `key`, returned once the backend's one subscription is
+    /// confirmed (the first call starts it). Fails at once while the
+    /// subscription is down, and after the command timeout if it cannot be
+    /// made; the driver then waits on its retry timer.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the subscription belongs to the backend, not the call.
+    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        match &self.inner.subscription {
+            Some(subscription) => subscription.watch(key).await,
+            None => Ok(ReleaseWatch::never()),
+        }
+    }
+}

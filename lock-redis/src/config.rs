@@ -1,0 +1,145 @@
+//! The backend's configuration and the errors of setting it up.
+
+use std::time::Duration;
+
+/// How a [`RedisBackend`](crate::RedisBackend) names its keys and bounds its
+/// round trips. Plain data; every field has a documented default.
+///
+/// | field | default |
+/// |---|---|
+/// | [`prefix`](Self::prefix) | `""` (the lock is the key itself) |
+/// | [`command_timeout`](Self::command_timeout) | 2 s |
+/// | [`release_notifications`](Self::release_notifications) | `true` |
+/// | [`max_extend_batch`](Self::max_extend_batch) | 500 |
+/// | [`health_check_interval`](Self::health_check_interval) | 5 s |
+/// | [`max_reconnect_delay`](Self::max_reconnect_delay) | 2 s |
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisConfig {
+    /// Put before every lock key, and before the release channel's name.
+    /// Nodes that share locks must use the same prefix.
+    ///
+    /// Default: empty: the lock of key `k` is the Redis key `k`.
+    pub prefix: String,
+    /// The longest any one Redis round trip may take, taking a pooled
+    /// connection included; a step that takes longer fails with a
+    /// [`BackendError`](lock_core::BackendError) of kind `Timeout`, so a cut
+    /// or hung connection never hangs a step.
+    ///
+    /// Default: 2 s.
+    pub command_timeout: Duration,
+    /// Whether waiters learn of releases over pub/sub (one subscription
+    /// connection per backend). When off, waiters poll on their retry
+    /// timer only; releases are still published for other nodes.
+    ///
+    /// Default: `true`.
+    pub release_notifications: bool,
+    /// How many leases one `extend_many` call carries: one pipeline of that
+    /// many script calls, one round trip.
+    ///
+    /// Default: 500.
+    pub max_extend_batch: usize,
+    /// How often the subscription connection is pinged, so that a hung
+    /// connection is noticed and replaced.
+    ///
+    /// Default: 5 s.
+    pub health_check_interval: Duration,
+    /// The longest pause between two attempts to re-establish the
+    /// subscription; pauses start at 50 ms and double.
+    ///
+    /// Default: 2 s.
+    pub max_reconnect_delay: Duration,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            command_timeout: Duration::from_secs(2),
+            release_notifications: true,
+            max_extend_batch: 500,
+            health_check_interval: Duration::from_secs(5),
+            max_reconnect_delay: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RedisConfig {
+    /// Sets [`prefix`](Self::prefix). Defaults to none.
+    #[must_use]
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets [`command_timeout`](Self::command_timeout). Defaults to 2 s.
+    #[must_use]
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// Sets [`release_notifications`](Self::release_notifications).
+    /// Defaults to `true`.
+    #[must_use]
+    pub fn release_notifications(mut self, on: bool) -> Self {
+        self.release_notifications = on;
+        self
+    }
+
+    /// Sets [`max_extend_batch`](Self::max_extend_batch). Defaults to 500.
+    #[must_use]
+    pub fn max_extend_batch(mut self, n: usize) -> Self {
+        self.max_extend_batch = n;
+        self
+    }
+
+    /// Sets [`health_check_interval`](Self::health_check_interval).
+    /// Defaults to 5 s.
+    #[must_use]
+    pub fn health_check_interval(mut self, every: Duration) -> Self {
+        self.health_check_interval = every;
+        self
+    }
+
+    /// Sets [`max_reconnect_delay`](Self::max_reconnect_delay). Defaults to 2 s.
+    #[must_use]
+    pub fn max_reconnect_delay(mut self, delay: Duration) -> Self {
+        self.max_reconnect_delay = delay;
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), SetupError> {
+        let invalid = |what| Err(SetupError::InvalidConfig(what));
+        if self.command_timeout.is_zero() {
+            return invalid("command_timeout is zero");
+        }
+        if self.max_extend_batch == 0 {
+            return invalid("max_extend_batch is zero");
+        }
+        if self.health_check_interval.is_zero() {
+            return invalid("health_check_interval is zero");
+        }
+        if self.max_reconnect_delay.is_zero() {
+            return invalid("max_reconnect_delay is zero");
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`RedisBackend`](crate::RedisBackend) could not be made. Nothing
+/// connects while making one, so an unreachable server or a wrong password
+/// shows at the first lock call instead.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The URL is not a Redis URL.
+    #[error("invalid Redis URL")]
+    InvalidUrl(#[source] redis::RedisError),
+    /// The connection pool could not be made.
+    #[error("the Redis connection pool could not be made")]
+    Pool(#[source] deadpool_redis::CreatePoolError),
+    /// A field of [`RedisConfig`] is out of range.
+    #[error("invalid RedisConfig: {0}")]
+    InvalidConfig(&'static str),
+}

@@ -1,0 +1,205 @@
+//! The one pub/sub connection of a backend, shared by all its waiters.
+//!
+//! A background task holds the connection, subscribed to the release
+//! channel, and hands each message (a released Redis key) to a
+//! [`ReleaseHub`]. When the connection drops or stops answering pings, the
+//! task reconnects with backoff, resubscribes and wakes every watch, since
+//! it may have missed releases in between. It ends when the backend is
+//! dropped.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
+use tokio::sync::{oneshot, watch};
+
+use crate::backend::map_redis_error;
+
+/// Where the subscription stands.
+#[derive(Clone, Debug)]
+enum State {
+    /// The first connection is being made.
+    Connecting,
+    /// Subscribed: every release published from now on reaches the hub.
+    Subscribed,
+    /// Not subscribed; the task is trying again. The error says why.
+    Down(BackendError),
+}
+
+struct Shared {
+    client: redis::Client,
+    channel: String,
+    prefix: String,
+    hub: ReleaseHub,
+    state: watch::Sender<State>,
+    timeout: Duration,
+    health_check_interval: Duration,
+    max_reconnect_delay: Duration,
+}
+
+pub(crate) struct Subscription {
+    shared: Arc<Shared>,
+    /// Taken by the first watch, which starts the task. The task ends when
+    /// the sender half (kept here) is dropped with the backend.
+    start: Mutex<Option<oneshot::Receiver<()>>>,
+    _alive: oneshot::Sender<()>,
+}
+
+impl Subscription {
+    pub(crate) fn new(
+        client: redis::Client,
+        channel: String,
+        prefix: String,
+        config: &crate::RedisConfig,
+    ) -> Self {
+        let (alive, start) = oneshot::channel();
+        let (state, _) = watch::channel(State::Connecting);
+        Self {
+            shared: Arc::new(Shared {
+                client,
+                channel,
+                prefix,
+                hub: ReleaseHub::new(),
+                state,
+                timeout: config.command_timeout,
+                health_check_interval: config.health_check_interval,
+                max_reconnect_delay: config.max_reconnect_delay,
+            }),
+            start: Mutex::new(Some(start)),
+            _alive: alive,
+        }
+    }
+
+    /// Whether the subscription is in place now.
+    pub(crate) fn is_subscribed(&self) -> bool {
+        matches!(*self.shared.state.borrow(), State::Subscribed)
+    }
+
+    /// A watch on `key` (without prefix), returned once the subscription is
+    /// confirmed, so that no release published after this returns is missed.
+    pub(crate) async fn watch(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        // The watch first: a release between now and the confirmation below
+        // either reaches it over the subscription, or is covered by the
+        // wake-up of every watch after a resubscription.
+        let watch = self.shared.hub.watch(key);
+        self.start_task();
+        let mut state = self.shared.state.subscribe();
+        let settled = tokio::time::timeout(
+            self.shared.timeout,
+            state.wait_for(|s| !matches!(s, State::Connecting)),
+        )
+        .await;
+        match settled {
+            Ok(Ok(s)) => match &*s {
+                State::Subscribed => Ok(watch),
+                State::Down(error) => Err(error.clone()),
+                State::Connecting => Err(BackendError::timeout("subscribing", self.shared.timeout)),
+            },
+            Ok(Err(_)) => Err(BackendError::message(
+                BackendErrorKind::Request,
+                "the subscription task has ended",
+            )),
+            Err(_) => Err(BackendError::timeout("subscribing", self.shared.timeout)),
+        }
+    }
+
+    fn start_task(&self) {
+        let start = self
+            .start
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(dropped) = start {
+            let shared = Arc::clone(&self.shared);
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = dropped => {}
+                    () = run(&shared) => {}
+                }
+                tracing::debug!(channel = %shared.channel, "release subscription ended");
+            });
+        }
+    }
+}
+
+async fn run(shared: &Shared) {
+    let first_delay = Duration::from_millis(50);
+    let mut delay = first_delay;
+    let mut first = true;
+    loop {
+        match subscribe(shared).await {
+            Ok(pubsub) => {
+                delay = first_delay;
+                shared.state.send_replace(State::Subscribed);
+                if !first {
+                    // Releases may have been missed while not subscribed.
+                    // (Before the first subscription, no watch has been
+                    // handed out yet: each caller tries again on return.)
+                    shared.hub.notify_all();
+                }
+                first = false;
+                tracing::debug!(channel = %shared.channel, "release subscription in place");
+                let why = listen(shared, pubsub).await;
+                tracing::debug!(error = %why, "release subscription lost; reconnecting");
+                shared.state.send_replace(State::Down(why));
+            }
+            Err(error) => {
+                tracing::debug!(%error, ?delay, "release subscription failed; retrying");
+                shared.state.send_replace(State::Down(error));
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(shared.max_reconnect_delay);
+            }
+        }
+    }
+}
+
+async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> {
+    let connect = async {
+        let mut pubsub = shared.client.get_async_pubsub().await?;
+        pubsub.subscribe(&shared.channel).await?;
+        Ok::<_, redis::RedisError>(pubsub)
+    };
+    match tokio::time::timeout(shared.timeout, connect).await {
+        Ok(Ok(pubsub)) => Ok(pubsub),
+        Ok(Err(e)) => Err(map_redis_error(e)),
+        Err(_) => Err(BackendError::timeout("subscribing", shared.timeout)),
+    }
+}
+
+/// Dispatches messages until the connection drops or fails a ping, and says
+/// why it stopped.
+async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
+    let (mut sink, mut messages) = pubsub.split();
+    let mut health = tokio::time::interval(shared.health_check_interval);
+    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    health.tick().await;
+    loop {
+        tokio::select! {
+            message = messages.next() => {
+                let Some(message) = message else {
+                    return BackendError::message(
+                        BackendErrorKind::Request,
+                        "the release subscription connection closed",
+                    );
+                };
+                let payload = message.get_payload_bytes();
+                match std::str::from_utf8(payload) {
+                    Ok(key) => {
+                        if let Some(key) = key.strip_prefix(shared.prefix.as_str()) {
+                            shared.hub.notify(key);
+                        }
+                    }
+                    Err(_) => tracing::trace!("release message is not UTF-8; ignored"),
+                }
+            }
+            _ = health.tick() => {
+                match tokio::time::timeout(shared.timeout, sink.ping::<redis::Value>()).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return map_redis_error(e),
+                    Err(_) => return BackendError::timeout("pinging the subscription", shared.timeout),
+                }
+            }
+        }
+    }
+}

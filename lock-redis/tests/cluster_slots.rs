@@ -1,0 +1,82 @@
+//! The slot rule this crate implements agrees with Redis' own
+//! `CLUSTER KEYSLOT`, for odd keys and for their fencing companions.
+
+use lock_redis::slot::{fence_key, key_slot};
+use lock_redis::testing::{server_url, RedisServer};
+
+fn keys() -> Vec<String> {
+    let mut keys: Vec<String> = [
+        "plain",
+        "{tag}rest",
+        "a{b}c",
+        "{}",
+        "}{",
+        "{}{x}",
+        "a}b",
+        "}}}",
+        "{{x}}",
+        "ü{🔒}",
+        "鍵",
+        "with space",
+        "glob*?",
+        "x{",
+        "}",
+        "{",
+        "foo",
+        "123456789",
+    ]
+    .iter()
+    .map(|k| (*k).to_owned())
+    .collect();
+    for i in 0..200 {
+        keys.push(format!("job:{i}}}{}", i % 7));
+        keys.push(format!("{{{i}}}:x"));
+    }
+    keys
+}
+
+fn keyslot(conn: &mut redis::Connection, key: &str) -> redis::RedisResult<u16> {
+    redis::cmd("CLUSTER").arg("KEYSLOT").arg(key).query(conn)
+}
+
+/// Checked on a `redis-server --cluster-enabled yes` child, where
+/// `CLUSTER KEYSLOT` answers without any slot assigned.
+#[test]
+fn slots_and_companions_agree_with_cluster_keyslot() {
+    let server = match RedisServer::start_cluster_enabled() {
+        Ok(server) => server,
+        Err(e) => {
+            eprintln!("SKIPPED: no cluster-enabled redis-server could be started: {e}");
+            return;
+        }
+    };
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_connection().unwrap();
+    for key in keys() {
+        let slot = keyslot(&mut conn, &key).unwrap();
+        assert_eq!(key_slot(&key), slot, "key {key:?}");
+        let fence = fence_key(&key);
+        assert_eq!(
+            keyslot(&mut conn, &fence).unwrap(),
+            slot,
+            "companion {fence:?}"
+        );
+    }
+}
+
+/// The shared server may be a standalone one, where `CLUSTER KEYSLOT`
+/// errors: then the check is skipped with the reason printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_agree_with_the_shared_server_if_it_allows() {
+    let url = server_url().await;
+    let mut conn = redis::Client::open(url).unwrap().get_connection().unwrap();
+    match keyslot(&mut conn, "foo") {
+        Ok(slot) => {
+            for key in keys() {
+                assert_eq!(key_slot(&key), keyslot(&mut conn, &key).unwrap(), "{key:?}");
+            }
+            assert_eq!(slot, 12182);
+        }
+        Err(e) => eprintln!("SKIPPED: the shared server refuses CLUSTER KEYSLOT: {e}"),
+    }
+}

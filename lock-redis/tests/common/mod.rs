@@ -1,0 +1,73 @@
+//! What the test files share.
+#![allow(dead_code, unreachable_pub)]
+
+use std::error::Error as _;
+use std::time::Duration;
+
+use lock_core::{BackendError, LockError, Locker, LockerOptions, LossCause};
+
+/// A locker named `name`: one node.
+pub fn node(backend: impl lock_core::LockBackend, name: &str) -> Locker {
+    Locker::with_options(backend, LockerOptions::default().node_id(name)).unwrap()
+}
+
+/// Awaits `fut` for at most `limit`, failing the test with `what`.
+pub async fn within<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = T>,
+) -> T {
+    tokio::time::timeout(limit, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: did not happen within {limit:?}"))
+}
+
+/// The Redis error somewhere in the source chain of `error`, if any.
+pub fn redis_error_in<'e>(
+    error: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e redis::RedisError> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(redis) = e.downcast_ref::<redis::RedisError>() {
+            return Some(redis);
+        }
+        if let Some(backend) = e.downcast_ref::<BackendError>() {
+            if let Some(redis) = backend.inner().downcast_ref::<redis::RedisError>() {
+                return Some(redis);
+            }
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// The loss cause of a `Lost` error; panics on anything else.
+pub fn loss_cause(result: Result<(), LockError>) -> LossCause {
+    match result {
+        Err(LockError::Lost { cause, .. }) => cause,
+        other => panic!("expected a lost lock, got {other:?}"),
+    }
+}
+
+/// A plain Redis connection, as another client would use.
+pub async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Asserts that a `NotAcquired` error carries a Redis error as source.
+pub fn assert_not_acquired_by_redis_error<T: std::fmt::Debug>(
+    result: Result<T, LockError>,
+) -> String {
+    match result {
+        Err(err @ LockError::NotAcquired { .. }) => {
+            assert!(err.source().is_some(), "no source in {err:?}");
+            let redis = redis_error_in(&err).unwrap_or_else(|| panic!("no Redis error in {err:?}"));
+            redis.to_string()
+        }
+        other => panic!("expected NotAcquired, got {other:?}"),
+    }
+}

@@ -1,0 +1,162 @@
+//! Wire compatibility with other Redis lock clients: the lock is the key
+//! itself, taken with `SET key value NX PX`, valued `<node id>/<32 hex>`.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{node, raw, within};
+use lock_core::{LockConfig, LockError};
+use lock_redis::testing::{server_url, Namespace};
+use lock_redis::RedisBackend;
+use redis::AsyncCommands;
+
+const LIMIT: Duration = Duration::from_secs(10);
+
+/// A raw `SET key v NX PX 30000` holds the lock: `with_lock` gives up with
+/// one attempt, and a waiting call gets the lock once the raw holder DELs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_set_nx_px_makes_with_lock_wait() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let key = ns.key("raw-holder");
+    let mut conn = raw(&url).await;
+    let set: Option<String> = redis::cmd("SET")
+        .arg(&key)
+        .arg("other-client/0123")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(set.as_deref(), Some("OK"));
+
+    let a = node(RedisBackend::from_url(&url).unwrap(), "a");
+    let once = LockConfig::default().retry_attempts(0);
+    let busy = a.with_lock_config(&key, &once, |_| async {}).await;
+    assert!(
+        matches!(
+            busy,
+            Err(LockError::NotAcquired {
+                attempts: 1,
+                source: None,
+                ..
+            })
+        ),
+        "{busy:?}"
+    );
+
+    let deleted = Arc::new(AtomicBool::new(false));
+    let seen = Arc::clone(&deleted);
+    let patient = LockConfig::default()
+        .wait_forever()
+        .retry_delay(Duration::from_millis(50));
+    let (locker, k) = (a.clone(), key.clone());
+    let waiter = tokio::spawn(async move {
+        locker
+            .with_lock_config(
+                &k,
+                &patient,
+                move |_| async move { seen.load(Ordering::SeqCst) },
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter waits while the raw key is held"
+    );
+    deleted.store(true, Ordering::SeqCst);
+    let _: () = conn.del(&key).await.unwrap();
+    let ran_after_delete = within(LIMIT, "waiter after DEL", waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(ran_after_delete, "the waiter ran only after the raw DEL");
+}
+
+/// While `with_lock` holds, a raw `SET NX PX` fails; the key is named
+/// exactly as asked, its value is `<node id>/<32 hex>`, it has a ttl, and
+/// its fencing companion holds the token the callback sees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_lock_excludes_a_raw_set_nx_px_and_uses_the_shared_format() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let key = ns.key("held by {withlock} ü");
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let fence = backend.fence_key(&key);
+    let a = node(backend, "wire-node");
+    let (k, u) = (key.clone(), url.clone());
+    let result = a
+        .with_lock_config(
+            &key,
+            &LockConfig::default().ttl(Duration::from_secs(20)),
+            move |ctx| async move {
+                let mut conn = raw(&u).await;
+                let set: Option<String> = redis::cmd("SET")
+                    .arg(&k)
+                    .arg("other-client/0123")
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(30_000)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                let value: String = conn.get(&k).await.unwrap();
+                let pttl: i64 = conn.pttl(&k).await.unwrap();
+                let counter: u64 = conn.get(&fence).await.unwrap();
+                let fence_ttl: i64 = conn.pttl(&fence).await.unwrap();
+                (set, value, pttl, counter, fence_ttl, ctx.fencing_token())
+            },
+        )
+        .await
+        .unwrap();
+    let (set, value, pttl, counter, fence_ttl, token) = result;
+    assert_eq!(set, None, "a raw SET NX fails while with_lock holds");
+    let (node_id, hex) = value.rsplit_once('/').unwrap();
+    assert_eq!(node_id, "wire-node");
+    assert_eq!(hex.len(), 32);
+    assert!(hex
+        .chars()
+        .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+    assert!(pttl > 0 && pttl <= 20_000, "pttl {pttl}");
+    assert_eq!(counter, token, "the companion holds the fencing token");
+    assert_eq!(fence_ttl, -1, "the companion never expires");
+    let mut conn = raw(&url).await;
+    let exists: bool = conn.exists(&key).await.unwrap();
+    assert!(!exists, "released");
+}
+
+/// A release is published on `withlock:released` with the key as message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_is_published_with_the_key_as_message() {
+    use futures_util::StreamExt;
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let key = ns.key("published");
+    let backend = RedisBackend::from_url(&url).unwrap();
+    assert_eq!(backend.channel(), "withlock:released");
+    let mut pubsub = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.subscribe(backend.channel()).await.unwrap();
+    let a = node(backend, "a");
+    a.with_lock(&key, |_| async {}).await.unwrap();
+    let mut messages = pubsub.on_message();
+    let got = within(LIMIT, "the release message", async {
+        loop {
+            let m = messages.next().await.unwrap();
+            let payload: String = m.get_payload().unwrap();
+            if payload == key {
+                return payload;
+            }
+        }
+    })
+    .await;
+    assert_eq!(got, key);
+}
