@@ -51,6 +51,7 @@ pub fn is_injected(error: &BackendError) -> bool {
 #[derive(Default)]
 struct Faults {
     fail_next: [AtomicU32; STEPS],
+    lose_answers: [AtomicU32; STEPS],
     fail_always: [AtomicBool; STEPS],
     hang: [AtomicBool; STEPS],
     delay: Mutex<[Duration; STEPS]>,
@@ -87,6 +88,13 @@ impl<B: LockBackend> FaultInjector<B> {
     /// Fails the next `n` calls of `step` with [`InjectedFault`].
     pub fn fail_next(&self, step: Step, n: u32) {
         self.faults.fail_next[step.index()].store(n, Ordering::SeqCst);
+    }
+
+    /// Lets the next `n` calls of `step` reach the store, then fails them
+    /// with [`InjectedFault`]: the answer is lost on the way back, as when a
+    /// connection drops or a timeout fires after the request was sent.
+    pub fn lose_answers(&self, step: Step, n: u32) {
+        self.faults.lose_answers[step.index()].store(n, Ordering::SeqCst);
     }
 
     /// Fails every call of `step` until turned off.
@@ -184,6 +192,25 @@ impl<B: LockBackend> FaultInjector<B> {
     }
 }
 
+impl<B> FaultInjector<B> {
+    fn lose_answer<T>(
+        &self,
+        step: Step,
+        answer: Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        let lost = self.faults.lose_answers[step.index()]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if lost {
+            return Err(BackendError::new(
+                BackendErrorKind::Request,
+                InjectedFault(step),
+            ));
+        }
+        answer
+    }
+}
+
 impl<B: fmt::Debug> fmt::Debug for FaultInjector<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FaultInjector")
@@ -205,7 +232,8 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         self.enter(Step::TryAcquire).await?;
-        self.inner.try_acquire(key, owner, ttl).await
+        let answer = self.inner.try_acquire(key, owner, ttl).await;
+        self.lose_answer(Step::TryAcquire, answer)
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {

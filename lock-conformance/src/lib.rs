@@ -83,6 +83,7 @@ macro_rules! __with_cases {
             o1_callback_output_is_returned,
             o2_panic_releases_then_resumes,
             o3_not_acquired_says_attempts_and_cause,
+            o3_attempt_with_lost_answer_leaves_nothing_held,
             o4_lost_is_reported_without_waiting_for_callback,
             o5_bad_input_is_refused_and_touches_nothing,
             o5_keys_are_opaque,

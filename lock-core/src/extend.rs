@@ -232,7 +232,7 @@ impl Registry {
     }
 
     /// Takes the leases due now, as batches, and says when to wake next.
-    fn take_due(&self, now: Instant) -> (Vec<Batch>, Vec<Removed>, Option<Instant>) {
+    fn take_due(&self, now: Instant) -> (Vec<Batch>, Vec<(Removed, Instant)>, Option<Instant>) {
         let mut s = self.lock();
         let mut batches = Vec::new();
         let mut lost = Vec::new();
@@ -284,7 +284,10 @@ impl Registry {
         drop(s);
         let removed = lost
             .into_iter()
-            .map(|(e, cause)| self.lose(e, cause))
+            .map(|(e, cause)| {
+                let until = now + e.ttl;
+                (self.lose(e, cause), until)
+            })
             .collect();
         (batches, removed, next)
     }
@@ -363,10 +366,12 @@ impl Registry {
         drop(s);
         for (e, cause) in lost {
             let backend_failed = matches!(cause, LossCause::Backend(_));
+            let until = now + e.ttl;
             let removed = self.lose(e, cause);
             if backend_failed {
-                // The key may still carry our token; free it if it does.
-                spawn_release(Arc::clone(&self.backend), removed.lease);
+                // The key may still carry our token, and an extension still
+                // on its way may lengthen it: free it while it may.
+                spawn_uncertain_release(Arc::clone(&self.backend), removed.lease, until);
             }
         }
         if wake {
@@ -405,6 +410,33 @@ pub(crate) fn spawn_release(backend: Arc<DynLockBackend>, lease: Lease) {
     }
 }
 
+/// Releases a lease whose acquisition failed on an error, in a task of its
+/// own: the request may have been applied, or may still be, so releases go
+/// on with backoff until one frees the key or `until` (the acquisition's
+/// ttl) has passed, after which the key expires anyway. A release only ever
+/// frees a key that still carries this owner token.
+pub(crate) fn spawn_uncertain_release(backend: Arc<DynLockBackend>, lease: Lease, until: Instant) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let remaining = until.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return;
+            }
+            let release = tokio::time::timeout(remaining, backend.release(&lease)).await;
+            if matches!(release, Ok(Ok(crate::backend::ReleaseOutcome::Released))) {
+                tracing::debug!(key = %lease.key(), "released a key taken by a failed attempt");
+                return;
+            }
+            tokio::time::sleep(pause.min(until.saturating_duration_since(Instant::now()))).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    });
+}
+
 async fn run_extender(registry: Weak<Registry>, wake: Arc<Notify>) {
     loop {
         let notified = wake.notified();
@@ -418,8 +450,8 @@ async fn run_extender(registry: Weak<Registry>, wake: Arc<Notify>) {
                 return;
             }
             let (batches, lost, next) = reg.take_due(Instant::now());
-            for removed in lost {
-                spawn_release(Arc::clone(&reg.backend), removed.lease);
+            for (removed, until) in lost {
+                spawn_uncertain_release(Arc::clone(&reg.backend), removed.lease, until);
             }
             for batch in batches {
                 tokio::spawn(send_batch(Arc::clone(&reg), batch));

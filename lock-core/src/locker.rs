@@ -21,7 +21,7 @@ use crate::backend::{
 use crate::config::{validate_key, LockConfig, LockerOptions, RetryAttempts};
 use crate::context::{held_by_current_task, Chain, LeaseState, LockContext};
 use crate::error::{BackendError, LockError, LossCause};
-use crate::extend::{spawn_release, Holder, Registry};
+use crate::extend::{spawn_release, spawn_uncertain_release, Holder, Registry};
 use crate::gate::{GatePass, Gates};
 use crate::task::{finish_even_if_dropped, never};
 
@@ -67,24 +67,34 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// One acquisition attempt that cannot strand a lock if dropped \[C1\].
+    /// One acquisition attempt that cannot strand a lock \[C1, O3\]: if
+    /// it is dropped and its answer says the key was taken, the key is
+    /// released; if it fails on an error, the request may still have been
+    /// applied (a hung server runs it when it wakes up), so the key is
+    /// released with the same owner token until its ttl has run out.
     pub(crate) async fn attempt(
         &self,
         key: &Arc<str>,
         owner: &OwnerToken,
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
+        let sent_at = Instant::now();
         let backend = Arc::clone(&self.backend);
         let (k, o) = (Arc::clone(key), owner.clone());
         let step = async move { backend.try_acquire(&k, &o, ttl).await };
         let backend = Arc::clone(&self.backend);
-        let (k, o) = (Arc::clone(key), owner.clone());
-        let orphan = move |answer: Result<AcquireOutcome, BackendError>| {
-            if let Ok(AcquireOutcome::Acquired { fencing_token }) = answer {
-                spawn_release(backend, Lease::new(k, o, fencing_token));
-            }
+        let lease = Lease::new(Arc::clone(key), owner.clone(), 0);
+        let orphan = move |answer: Result<AcquireOutcome, BackendError>| match answer {
+            Ok(AcquireOutcome::Acquired { .. }) => spawn_release(backend, lease),
+            Ok(AcquireOutcome::Busy) => {}
+            Err(_) => spawn_uncertain_release(backend, lease, sent_at + ttl),
         };
-        finish_even_if_dropped(step, orphan).await
+        let answer = finish_even_if_dropped(step, orphan).await;
+        if answer.is_err() {
+            let lease = Lease::new(Arc::clone(key), owner.clone(), 0);
+            spawn_uncertain_release(Arc::clone(&self.backend), lease, sent_at + ttl);
+        }
+        answer
     }
 
     /// Releases `lease`, going on to the end if the caller is dropped.

@@ -144,6 +144,39 @@ pub async fn o3_not_acquired_says_attempts_and_cause(factory: Arc<dyn BackendFac
     assert_free(&backend, &key, "after failed attempts").await;
 }
 
+/// \[O3\] An attempt whose answer was lost may still have taken the key:
+/// the driver releases it with the attempt's owner token, so nothing stays
+/// held for the ttl.
+pub async fn o3_attempt_with_lost_answer_leaves_nothing_held(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("o3-lost-answer");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    faulty.lose_answers(Step::TryAcquire, 1);
+    let a = node(faulty.clone(), "a");
+    let cfg = crate::support::once().ttl(Duration::from_secs(30));
+    let err = within(
+        SOON,
+        "the attempt",
+        a.with_lock_config(&key, &cfg, |_| async {}),
+    )
+    .await
+    .expect_err("the answer was lost");
+    assert!(
+        matches!(&err, LockError::NotAcquired { source: Some(e), .. } if is_injected(e)),
+        "got {err:?}"
+    );
+    // The attempt did take the key, for 30 s; only a release frees it sooner.
+    let b = node(Arc::clone(&backend), "b");
+    within(
+        SOON,
+        "the key the lost answer took is released",
+        b.with_lock_config(&key, &crate::support::patient(), |_| async {}),
+    )
+    .await
+    .unwrap();
+}
+
 /// \[O4\] A lost lock is reported as soon as it is detected, without waiting
 /// for the callback, with its cause.
 pub async fn o4_lost_is_reported_without_waiting_for_callback(factory: Arc<dyn BackendFactory>) {
