@@ -412,6 +412,7 @@ impl Locker {
             let mut watch = None;
             // The last attempt that failed on a backend error, if any did.
             let mut last_error = None;
+            let mut busy;
             loop {
                 if inner.shutdown.is_started() {
                     return never().await;
@@ -424,10 +425,11 @@ impl Locker {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
                         return self.hold(lease, config.ttl, sent_at, pass).await;
                     }
-                    Ok(AcquireOutcome::Busy) => {}
+                    Ok(AcquireOutcome::Busy) => busy = true,
                     Err(error) => {
                         tracing::debug!(%error, "acquisition attempt failed");
                         last_error = Some(error);
+                        busy = false;
                     }
                 }
                 if slot_due {
@@ -438,7 +440,9 @@ impl Locker {
                     }
                     next_slot = sent_at.max(next_slot) + config.retry_delay;
                 }
-                if inner.caps.release_notifications && watch.is_none() {
+                // A failing store would fail the subscription too: watch
+                // only once the key was found held.
+                if busy && inner.caps.release_notifications && watch.is_none() {
                     // Subscribe only once the key was found busy, so an
                     // uncontended call pays nothing for it; then try again at
                     // once, which sees any release made before the watch
