@@ -271,51 +271,87 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError>;
 }
 
-macro_rules! forward_backend {
-    ($ty:ty) => {
-        #[async_trait]
-        impl<T: LockBackend + ?Sized> LockBackend for $ty {
-            fn capabilities(&self) -> Capabilities {
-                (**self).capabilities()
+/// Implements [`LockBackend`] for a type by forwarding every step to a
+/// backend it holds, for wrappers whose only job is to keep something alive
+/// as long as the backend lives (a test namespace, a scratch schema):
+///
+/// ```
+/// use lock_memory::MemoryBackend;
+///
+/// #[derive(Debug)]
+/// struct Scratch {
+///     backend: MemoryBackend,
+///     _cleanup: Vec<String>, // dropped with the backend
+/// }
+///
+/// lock_core::forward_lock_backend!(Scratch => backend);
+///
+/// let _locker = lock_core::Locker::new(Scratch { backend: MemoryBackend::new(), _cleanup: Vec::new() });
+/// ```
+///
+/// A wrapper that changes what a step does implements the trait itself.
+#[macro_export]
+macro_rules! forward_lock_backend {
+    ($ty:ty => $field:ident) => {
+        $crate::forward_lock_backend!(@impl [] $ty, this => &this.$field);
+    };
+    (@impl [$($generics:tt)*] $ty:ty, $this:ident => $inner:expr) => {
+        #[$crate::async_trait]
+        impl<$($generics)*> $crate::LockBackend for $ty {
+            fn capabilities(&self) -> $crate::Capabilities {
+                let $this = self;
+                $crate::LockBackend::capabilities($inner)
             }
 
             async fn try_acquire(
                 &self,
                 key: &str,
-                owner: &OwnerToken,
-                ttl: Duration,
-            ) -> Result<AcquireOutcome, BackendError> {
-                (**self).try_acquire(key, owner, ttl).await
+                owner: &$crate::OwnerToken,
+                ttl: ::std::time::Duration,
+            ) -> ::std::result::Result<$crate::AcquireOutcome, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::try_acquire($inner, key, owner, ttl).await
             }
 
             async fn extend(
                 &self,
-                lease: &Lease,
-                ttl: Duration,
-            ) -> Result<ExtendOutcome, BackendError> {
-                (**self).extend(lease, ttl).await
+                lease: &$crate::Lease,
+                ttl: ::std::time::Duration,
+            ) -> ::std::result::Result<$crate::ExtendOutcome, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::extend($inner, lease, ttl).await
             }
 
             async fn extend_many(
                 &self,
-                requests: &[ExtendRequest],
-            ) -> Result<Vec<ExtendOutcome>, BackendError> {
-                (**self).extend_many(requests).await
+                requests: &[$crate::ExtendRequest],
+            ) -> ::std::result::Result<::std::vec::Vec<$crate::ExtendOutcome>, $crate::BackendError>
+            {
+                let $this = self;
+                $crate::LockBackend::extend_many($inner, requests).await
             }
 
-            async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-                (**self).release(lease).await
+            async fn release(
+                &self,
+                lease: &$crate::Lease,
+            ) -> ::std::result::Result<$crate::ReleaseOutcome, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::release($inner, lease).await
             }
 
-            async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-                (**self).watch_release(key).await
+            async fn watch_release(
+                &self,
+                key: &str,
+            ) -> ::std::result::Result<$crate::ReleaseWatch, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::watch_release($inner, key).await
             }
         }
     };
 }
 
-forward_backend!(Arc<T>);
-forward_backend!(Box<T>);
+forward_lock_backend!(@impl [T: LockBackend + ?Sized] Arc<T>, this => &**this);
+forward_lock_backend!(@impl [T: LockBackend + ?Sized] Box<T>, this => &**this);
 
 #[cfg(test)]
 mod tests {

@@ -24,10 +24,6 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
-};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::ConnectOptions;
 
@@ -318,40 +314,7 @@ impl fmt::Debug for TestBackend {
     }
 }
 
-#[async_trait]
-impl LockBackend for TestBackend {
-    fn capabilities(&self) -> Capabilities {
-        self.backend.capabilities()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        self.backend.try_acquire(key, owner, ttl).await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
-        self.backend.extend(lease, ttl).await
-    }
-
-    async fn extend_many(
-        &self,
-        requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
-        self.backend.extend_many(requests).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        self.backend.release(lease).await
-    }
-
-    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        self.backend.watch_release(key).await
-    }
-}
+lock_core::forward_lock_backend!(TestBackend => backend);
 
 /// Terminates the connections whose `application_name` is `name`, with
 /// `pg_terminate_backend`, from a connection of its own to `url`. Returns

@@ -23,11 +23,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
-};
-
 use crate::{RedisBackend, RedisConfig};
 
 /// The server tests use when `REDIS_URL` is not set.
@@ -386,6 +381,24 @@ impl RedisServer {
             .query(&mut self.connection()?)
     }
 
+    /// The `id=…` fields of the server's client connections of `kind`
+    /// (`normal`, `pubsub`, …), as `CLIENT LIST TYPE` gives them.
+    ///
+    /// # Errors
+    ///
+    /// When the server cannot be reached.
+    pub fn client_ids(&self, kind: &str) -> redis::RedisResult<Vec<String>> {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .arg("TYPE")
+            .arg(kind)
+            .query(&mut self.connection()?)?;
+        Ok(list
+            .lines()
+            .filter_map(|l| l.split(' ').next().map(str::to_owned))
+            .collect())
+    }
+
     /// Sends `SCRIPT FLUSH`: every cached script is gone.
     ///
     /// # Errors
@@ -572,37 +585,4 @@ impl Deref for ScratchBackend {
     }
 }
 
-#[async_trait]
-impl LockBackend for ScratchBackend {
-    fn capabilities(&self) -> Capabilities {
-        self.backend.capabilities()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        self.backend.try_acquire(key, owner, ttl).await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
-        self.backend.extend(lease, ttl).await
-    }
-
-    async fn extend_many(
-        &self,
-        requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
-        self.backend.extend_many(requests).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        self.backend.release(lease).await
-    }
-
-    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        self.backend.watch_release(key).await
-    }
-}
+lock_core::forward_lock_backend!(ScratchBackend => backend);
