@@ -318,19 +318,7 @@ async fn waiter_is_woken_after_the_subscription_is_cut() {
         b.with_lock_config("cut", &slow, |_| async { Instant::now() })
             .await
     });
-    let pubsub_ids = |server: &RedisServer| -> Vec<String> {
-        let client = redis::Client::open(server.url()).unwrap();
-        let mut conn = client.get_connection().unwrap();
-        let list: String = redis::cmd("CLIENT")
-            .arg("LIST")
-            .arg("TYPE")
-            .arg("pubsub")
-            .query(&mut conn)
-            .unwrap();
-        list.lines()
-            .filter_map(|l| l.split(' ').next().map(str::to_owned))
-            .collect()
-    };
+    let pubsub_ids = |server: &RedisServer| server.client_ids("pubsub").unwrap();
     let before = within(LIMIT, "first subscription", async {
         loop {
             let ids = pubsub_ids(&server);

@@ -89,20 +89,7 @@ fn key_state(server: &RedisServer, key: &str) -> (Option<String>, i64) {
 
 /// The ids of the server's pub/sub client connections.
 fn pubsub_ids(server: &RedisServer) -> Vec<String> {
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut conn = client
-        .get_connection_with_timeout(Duration::from_secs(1))
-        .unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-    let list: String = redis::cmd("CLIENT")
-        .arg("LIST")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query(&mut conn)
-        .unwrap();
-    list.lines()
-        .filter_map(|l| l.split(' ').next().map(str::to_owned))
-        .collect()
+    server.client_ids("pubsub").unwrap()
 }
 
 /// Pauses `server` and makes one `with_lock_config` call on `key` with two
