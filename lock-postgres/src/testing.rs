@@ -226,7 +226,7 @@ async fn drop_stale_schemas(conn: &PgPool) -> Result<(), TestError> {
 /// A [`PostgresBackend`] on a pool of its own, with its lock table in a
 /// [`TestSchema`] of its own that is dropped with it.
 ///
-/// It is a [`LockBackend`] itself (forwarding every step), so a
+/// It is a [`LockBackend`](lock_core::LockBackend) itself (forwarding every step), so a
 /// conformance factory can return it: the schema lives exactly as long as
 /// the last locker that uses it.
 pub struct TestBackend {
