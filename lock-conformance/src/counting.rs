@@ -3,8 +3,10 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
@@ -17,6 +19,8 @@ use crate::faults::Step;
 struct Counts {
     calls: [AtomicU64; 4],
     extended_leases: AtomicU64,
+    /// When each `try_acquire` was called, with its key and owner token.
+    attempts: Mutex<Vec<(Instant, String, OwnerToken)>>,
 }
 
 /// Wraps a backend and counts every call. Cheap to clone; clones share
@@ -56,6 +60,28 @@ impl<B: LockBackend> CountingBackend<B> {
             .sum()
     }
 
+    /// When each `try_acquire` call was made, in order.
+    pub fn attempt_times(&self) -> Vec<Instant> {
+        self.attempts().iter().map(|(at, _, _)| *at).collect()
+    }
+
+    /// The owner token of the last `try_acquire` on `key`: after a
+    /// successful call, the token that holds the key.
+    pub fn last_owner(&self, key: &str) -> Option<OwnerToken> {
+        self.attempts()
+            .iter()
+            .rev()
+            .find(|(_, k, _)| k == key)
+            .map(|(_, _, owner)| owner.clone())
+    }
+
+    fn attempts(&self) -> std::sync::MutexGuard<'_, Vec<(Instant, String, OwnerToken)>> {
+        self.counts
+            .attempts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Leases extended so far, over all extension calls.
     pub fn extended_leases(&self) -> u64 {
         self.counts.extended_leases.load(Ordering::SeqCst)
@@ -87,6 +113,8 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         self.count(Step::TryAcquire);
+        self.attempts()
+            .push((Instant::now(), key.to_owned(), owner.clone()));
         self.inner.try_acquire(key, owner, ttl).await
     }
 

@@ -55,6 +55,7 @@ struct Faults {
     fail_always: [AtomicBool; STEPS],
     hang: [AtomicBool; STEPS],
     delay: Mutex<[Duration; STEPS]>,
+    late_answers: Mutex<[(u32, Duration); STEPS]>,
     skip_extensions: AtomicBool,
     stolen: Mutex<HashSet<String>>,
     hub: ReleaseHub,
@@ -114,6 +115,16 @@ impl<B: LockBackend> FaultInjector<B> {
             .delay
             .lock()
             .unwrap_or_else(PoisonError::into_inner)[step.index()] = delay;
+    }
+
+    /// Holds back the answers of the next `n` calls of `step` by `delay`
+    /// after the store applied them, as a store that was paused answers
+    /// late: the step took effect, its answer arrives long after.
+    pub fn delay_answers(&self, step: Step, n: u32, delay: Duration) {
+        self.faults
+            .late_answers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)[step.index()] = (n, delay);
     }
 
     /// Delays every step by `delay`.
@@ -193,6 +204,22 @@ impl<B: LockBackend> FaultInjector<B> {
 }
 
 impl<B> FaultInjector<B> {
+    fn take_late_answer(&self, step: Step) -> Option<Duration> {
+        {
+            let mut late = self
+                .faults
+                .late_answers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let (n, delay) = &mut late[step.index()];
+            if *n == 0 {
+                return None;
+            }
+            *n -= 1;
+            Some(*delay)
+        }
+    }
+
     fn lose_answer<T>(
         &self,
         step: Step,
@@ -233,6 +260,9 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
     ) -> Result<AcquireOutcome, BackendError> {
         self.enter(Step::TryAcquire).await?;
         let answer = self.inner.try_acquire(key, owner, ttl).await;
+        if let Some(late) = self.take_late_answer(Step::TryAcquire) {
+            tokio::time::sleep(late).await;
+        }
         self.lose_answer(Step::TryAcquire, answer)
     }
 

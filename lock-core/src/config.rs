@@ -55,6 +55,15 @@ pub struct LockConfig {
     ///
     /// Default: 200 ms. At most [`MAX_RETRY_DELAY`]; zero only with limited attempts.
     pub retry_delay: Duration,
+    /// How far each delay between two counted attempts is moved, at random,
+    /// either way: a delay is drawn uniformly from `retry_delay ± retry_jitter`,
+    /// so waiters behind a client that publishes no release notifications
+    /// do not all fire at the same instant \[A7\]. A jitter above
+    /// `retry_delay` acts as `retry_delay`. On average the give-up time stays
+    /// `retry_attempts × retry_delay`.
+    ///
+    /// Default: 100 ms (node-redlock's ±100 ms on 200 ms).
+    pub retry_jitter: Duration,
 }
 
 impl Default for LockConfig {
@@ -63,6 +72,7 @@ impl Default for LockConfig {
             ttl: Duration::from_secs(30),
             retry_attempts: RetryAttempts::Limited(10),
             retry_delay: Duration::from_millis(200),
+            retry_jitter: Duration::from_millis(100),
         }
     }
 }
@@ -94,6 +104,26 @@ impl LockConfig {
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
         self
+    }
+
+    /// Sets [`LockConfig::retry_jitter`]. Defaults to 100 ms; zero gives an
+    /// exact `retry_delay` grid.
+    #[must_use]
+    pub fn retry_jitter(mut self, jitter: Duration) -> Self {
+        self.retry_jitter = jitter;
+        self
+    }
+
+    /// One delay between two counted attempts: `retry_delay ± retry_jitter`,
+    /// drawn uniformly.
+    pub(crate) fn jittered_delay(&self) -> Duration {
+        let jitter = self.retry_jitter.min(self.retry_delay);
+        if jitter.is_zero() {
+            return self.retry_delay;
+        }
+        let span = u64::try_from(jitter.as_nanos() * 2).unwrap_or(u64::MAX);
+        let offset = Duration::from_nanos(rand::random_range(0..=span));
+        self.retry_delay - jitter + offset
     }
 
     /// Checks the config, as every call does before touching the backend.
@@ -128,6 +158,9 @@ pub(crate) fn validate_ttl(ttl: Duration) -> Result<(), InvalidInput> {
 pub(crate) fn validate_key(key: &str, max: usize) -> Result<(), InvalidInput> {
     if key.is_empty() {
         return Err(InvalidInput::EmptyKey);
+    }
+    if key.contains('\0') {
+        return Err(InvalidInput::KeyHasNul);
     }
     if key.len() > max {
         return Err(InvalidInput::KeyTooLong {
@@ -202,7 +235,25 @@ mod tests {
         assert_eq!(c.ttl, Duration::from_secs(30));
         assert_eq!(c.retry_attempts, RetryAttempts::Limited(10));
         assert_eq!(c.retry_delay, Duration::from_millis(200));
+        assert_eq!(c.retry_jitter, Duration::from_millis(100));
         assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn a7_delays_are_jittered_within_bounds() {
+        let c = LockConfig::default();
+        let delays: Vec<Duration> = (0..200).map(|_| c.jittered_delay()).collect();
+        assert!(delays
+            .iter()
+            .all(|d| *d >= Duration::from_millis(100) && *d <= Duration::from_millis(300)));
+        let distinct: std::collections::HashSet<_> = delays.iter().collect();
+        assert!(distinct.len() > 100, "delays are spread, not on a grid");
+        let mean = delays.iter().sum::<Duration>() / 200;
+        assert!(mean > Duration::from_millis(180) && mean < Duration::from_millis(220));
+        let exact = c.retry_jitter(Duration::ZERO);
+        assert_eq!(exact.jittered_delay(), Duration::from_millis(200));
+        let wide = c.retry_jitter(Duration::from_secs(5));
+        assert!(wide.jittered_delay() <= Duration::from_millis(400));
     }
 
     #[test]
@@ -236,6 +287,7 @@ mod tests {
     fn keys_are_opaque_but_bounded() {
         assert_eq!(validate_key("", 10), Err(InvalidInput::EmptyKey));
         assert!(validate_key("a b {x} * : ' \" ; é", 100).is_ok());
+        assert_eq!(validate_key("a\0b", 100), Err(InvalidInput::KeyHasNul));
         assert_eq!(
             validate_key("abc", 2),
             Err(InvalidInput::KeyTooLong { len: 3, max: 2 })

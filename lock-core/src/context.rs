@@ -3,71 +3,15 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use tokio::sync::Notify;
 use tokio::task::futures::TaskLocalFuture;
 
-use crate::error::LossCause;
+use crate::error::{LockError, LossCause};
+use crate::held::HeldLock;
 
-/// The state of one held lease that the driver, the extender and the
-/// callback share.
-pub(crate) struct LeaseState {
-    pub(crate) locker_id: u64,
-    pub(crate) key: Arc<str>,
-    pub(crate) fencing_token: u64,
-    lost: OnceLock<LossCause>,
-    ended: AtomicBool,
-    notify: Notify,
-}
-
-impl LeaseState {
-    pub(crate) fn new(locker_id: u64, key: Arc<str>, fencing_token: u64) -> Self {
-        Self {
-            locker_id,
-            key,
-            fencing_token,
-            lost: OnceLock::new(),
-            ended: AtomicBool::new(false),
-            notify: Notify::new(),
-        }
-    }
-
-    /// Records the loss; the first cause wins. Returns whether this call set it.
-    pub(crate) fn mark_lost(&self, cause: LossCause) -> bool {
-        let first = self.lost.set(cause).is_ok();
-        if first {
-            self.notify.notify_waiters();
-        }
-        first
-    }
-
-    /// Records that the lock was released after its callback settled.
-    pub(crate) fn mark_ended(&self) {
-        self.ended.store(true, Ordering::Release);
-    }
-
-    pub(crate) fn loss_cause(&self) -> Option<&LossCause> {
-        self.lost.get()
-    }
-
-    pub(crate) fn is_ended(&self) -> bool {
-        self.ended.load(Ordering::Acquire)
-    }
-
-    pub(crate) async fn lost(&self) -> LossCause {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(cause) = self.lost.get() {
-                return cause.clone();
-            }
-            notified.await;
-        }
-    }
-}
+/// A future running inside a lock's task-local scope.
+pub(crate) type Scoped<F> = TaskLocalFuture<Chain, F>;
 
 /// What a callback knows about the lock it runs under.
 ///
@@ -75,13 +19,13 @@ impl LeaseState {
 /// so the same fencing token.
 #[derive(Clone)]
 pub struct LockContext {
-    pub(crate) state: Arc<LeaseState>,
+    pub(crate) held: Arc<HeldLock>,
 }
 
 impl LockContext {
     /// The locked key.
     pub fn key(&self) -> &str {
-        &self.state.key
+        self.held.lease.key()
     }
 
     /// The fencing token of this acquisition: strictly greater than every
@@ -89,23 +33,23 @@ impl LockContext {
     /// write to a store that can reject writes carrying a smaller token than
     /// one it has seen.
     pub fn fencing_token(&self) -> u64 {
-        self.state.fencing_token
+        self.held.lease.fencing_token()
     }
 
     /// Whether the lock has been lost. Check it before an authoritative
     /// side effect when running in the default (detaching) mode.
     pub fn is_lost(&self) -> bool {
-        self.state.loss_cause().is_some()
+        self.held.loss_cause().is_some()
     }
 
     /// Why the lock was lost, if it was.
     pub fn loss_cause(&self) -> Option<LossCause> {
-        self.state.loss_cause().cloned()
+        self.held.loss_cause().cloned()
     }
 
     /// Whether the lock is still held: neither lost nor released.
     pub fn is_held(&self) -> bool {
-        !self.is_lost() && !self.state.is_ended()
+        !self.is_lost() && !self.held.is_ended()
     }
 
     /// Resolves when the lock is lost, with the cause. Never resolves for a
@@ -115,7 +59,7 @@ impl LockContext {
     ///
     /// Cancel safe.
     pub async fn lost(&self) -> LossCause {
-        self.state.lost().await
+        self.held.lost().await
     }
 
     /// Runs `fut` as if inside this lock's callback, so that a `with_lock` on
@@ -133,16 +77,36 @@ impl LockContext {
     ///             // Runs at once: the context says this task shares the lock.
     ///             inner.with_lock("report", |_| async {}).await
     ///         }));
-    ///         task.await.unwrap()
+    ///         task.await.expect("the task ran")
     ///     })
-    ///     .await??;
+    ///     .await???;
     /// # Ok(()) }
     /// ```
     ///
-    /// A carried context whose lock has since been released no longer makes
-    /// calls reentrant; one whose lock was lost makes them fail with
-    /// [`LockError::Lost`](crate::LockError::Lost).
-    pub fn scope<F: Future>(&self, fut: F) -> TaskLocalFuture<Chain, F> {
+    /// The carried task runs only while the lock is held: if the lock is
+    /// lost, or released by the call that took it while the task still
+    /// runs, `fut` is dropped at its next await point and this gives
+    /// [`LockError::Lost`] (with [`LossCause::Released`] for a release).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops `fut`; the lock is not affected.
+    pub fn scope<F: Future>(&self, fut: F) -> impl Future<Output = Result<F::Output, LockError>> {
+        let held = Arc::clone(&self.held);
+        let scoped = self.enter(fut);
+        async move {
+            let loss = held.lost_or_ended();
+            tokio::pin!(loss, scoped);
+            tokio::select! {
+                biased;
+                cause = &mut loss => Err(LockError::Lost { key: held.lease.key().to_owned(), cause }),
+                out = &mut scoped => Ok(out),
+            }
+        }
+    }
+
+    /// Runs `fut` inside this lock's task-local scope.
+    pub(crate) fn enter<F: Future>(&self, fut: F) -> Scoped<F> {
         HELD.scope(Chain::current().push(self.clone()), fut)
     }
 }
@@ -157,10 +121,9 @@ impl fmt::Debug for LockContext {
     }
 }
 
-/// The locks the current task holds, innermost first. Opaque: it only
-/// appears in the type of [`LockContext::scope`]'s future.
+/// The locks the current task holds, innermost first.
 #[derive(Clone, Default)]
-pub struct Chain(Option<Arc<Link>>);
+pub(crate) struct Chain(Option<Arc<Link>>);
 
 struct Link {
     ctx: LockContext,
@@ -183,7 +146,7 @@ impl Chain {
     fn find(&self, locker_id: u64, key: &str) -> Option<LockContext> {
         let mut link = self.0.as_deref();
         while let Some(l) = link {
-            if l.ctx.state.locker_id == locker_id && *l.ctx.state.key == *key {
+            if l.ctx.held.locker_id == locker_id && l.ctx.held.lease.key() == key {
                 return Some(l.ctx.clone());
             }
             link = l.parent.0.as_deref();

@@ -95,10 +95,13 @@ impl LockError {
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LossCause {
-    /// The key had expired (or was deleted) when the driver went to extend it.
+    /// The lock's validity ran out: the key had expired (or was deleted)
+    /// when the driver went to extend it, or the callback settled after the
+    /// last confirmed expiry (a stalled holder).
     #[error("the key expired before it was extended")]
     Expired,
-    /// Another owner held the key when the driver went to extend it.
+    /// Another owner held the key when the driver went to extend or release
+    /// it, or the key had been deleted while it was still valid.
     #[error("another owner took the key")]
     Taken,
     /// Extensions failed on backend errors until the lock's validity ran
@@ -108,6 +111,11 @@ pub enum LossCause {
     /// The locker shut down and released the lock.
     #[error("the locker shut down and released the lock")]
     Shutdown,
+    /// The call that took the lock released it while a task that shares it
+    /// (one carried with [`LockContext::scope`](crate::LockContext::scope))
+    /// still ran.
+    #[error("the call that took the lock released it while this task still ran")]
+    Released,
 }
 
 /// The kind of a [`BackendError`].
@@ -120,6 +128,10 @@ pub enum BackendErrorKind {
     Timeout,
     /// The store answered something the backend does not understand.
     Protocol,
+    /// The store could not be reached and the request was never sent (a
+    /// refused connection, an empty pool): the step certainly changed
+    /// nothing in the store.
+    Unavailable,
 }
 
 /// An error of a backend step, keeping the store's own error as its source.
@@ -145,6 +157,12 @@ impl BackendError {
         }
     }
 
+    /// A step whose request was never sent, because the store could not be
+    /// reached: it certainly changed nothing.
+    pub fn unavailable(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::new(BackendErrorKind::Unavailable, source)
+    }
+
     /// An error described by a message only.
     pub fn message(kind: BackendErrorKind, message: impl Into<String>) -> Self {
         Self::new(kind, Message(message.into()))
@@ -168,6 +186,13 @@ impl BackendError {
         self.kind == BackendErrorKind::Timeout
     }
 
+    /// Whether the request may have reached the store, so that the step may
+    /// have been applied (now or later, by a store that was slow to answer).
+    /// False only for [`BackendErrorKind::Unavailable`].
+    pub fn may_have_reached_store(&self) -> bool {
+        self.kind != BackendErrorKind::Unavailable
+    }
+
     /// The store's error, to downcast.
     pub fn inner(&self) -> &(dyn StdError + Send + Sync + 'static) {
         &*self.source
@@ -189,6 +214,7 @@ impl fmt::Display for BackendError {
             BackendErrorKind::Request => "lock backend request failed",
             BackendErrorKind::Timeout => "lock backend step timed out",
             BackendErrorKind::Protocol => "lock backend gave an unexpected answer",
+            BackendErrorKind::Unavailable => "lock backend unreachable; the request was not sent",
         };
         f.write_str(what)
     }
@@ -211,6 +237,9 @@ pub enum InvalidInput {
     /// The key is the empty string.
     #[error("the lock key is empty")]
     EmptyKey,
+    /// The key contains a NUL character, which not every store can keep.
+    #[error("the lock key contains a NUL character")]
+    KeyHasNul,
     /// The key is longer than the backend accepts.
     #[error("the lock key is {len} bytes long; the maximum is {max}")]
     KeyTooLong {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use crate::backend::{AcquireOutcome, ExtendOutcome, Lease, OwnerToken, ReleaseOutcome};
 use crate::config::{validate_key, validate_ttl};
 use crate::error::{BackendError, LockError};
-use crate::extend::{spawn_release, Holder};
+use crate::held::{HeldLock, Holder};
 use crate::locker::Locker;
-use crate::task::never;
+use crate::task::{finish_even_if_dropped, never};
 
 /// A lock taken and kept by hand: no retries, no background extension.
 ///
@@ -36,7 +36,7 @@ pub struct LockHandle {
     locker: Locker,
     key: Arc<str>,
     ttl: Duration,
-    held: Option<(u64, Lease)>,
+    held: Option<(u64, Arc<HeldLock>)>,
 }
 
 impl Locker {
@@ -83,18 +83,12 @@ impl LockHandle {
         match inner.attempt(&self.key, &owner, self.ttl).await {
             Ok(AcquireOutcome::Acquired { fencing_token }) => {
                 let lease = Lease::new(Arc::clone(&self.key), owner, fencing_token);
-                match inner
-                    .registry
-                    .insert(lease.clone(), self.ttl, sent_at, Holder::Handle, None)
-                {
-                    Some(id) => {
-                        self.held = Some((id, lease));
+                match inner.hold(lease, self.ttl, sent_at, Holder::Handle).await {
+                    Ok(held) => {
+                        self.held = Some(held);
                         Ok(true)
                     }
-                    None => {
-                        spawn_release(Arc::clone(&inner.backend), lease);
-                        never().await
-                    }
+                    Err(late) => Err(self.backend_error(late)),
                 }
             }
             Ok(AcquireOutcome::Busy) => Ok(false),
@@ -105,6 +99,9 @@ impl LockHandle {
     /// Resets the lock's expiry to the ttl from now. `Ok(false)`: this handle
     /// does not hold the lock (any more); it then forgets it.
     ///
+    /// A handle acquired by an attempt answered after its validity ran out
+    /// gives [`LockError::Backend`] from `acquire` instead, and holds nothing.
+    ///
     /// # Errors
     ///
     /// [`LockError::Backend`] when the step failed; the lock may still be held.
@@ -113,14 +110,18 @@ impl LockHandle {
     ///
     /// Dropping the future may or may not have renewed the lock.
     pub async fn renew(&mut self) -> Result<bool, LockError> {
-        let Some((id, lease)) = &self.held else {
+        let Some((id, held)) = &self.held else {
             return Ok(false);
         };
         let id = *id;
-        match self.locker.backend().extend(lease, self.ttl).await {
-            Ok(ExtendOutcome::Extended) => Ok(true),
+        let sent_at = tokio::time::Instant::now();
+        match self.locker.backend().extend(&held.lease, self.ttl).await {
+            Ok(ExtendOutcome::Extended) => {
+                held.confirm(sent_at);
+                Ok(true)
+            }
             Ok(ExtendOutcome::Expired | ExtendOutcome::Taken) => {
-                self.locker.inner().registry.remove(id);
+                self.locker.inner().registry.forget(id);
                 self.held = None;
                 Ok(false)
             }
@@ -140,14 +141,13 @@ impl LockHandle {
     ///
     /// The release goes on to its end if the future is dropped.
     pub async fn release(&mut self) -> Result<bool, LockError> {
-        let Some((id, lease)) = self.held.take() else {
+        let Some((id, _)) = self.held.take() else {
             return Ok(false);
         };
-        let inner = self.locker.inner();
-        if inner.registry.remove(id).is_none() {
+        let Some(owed) = self.locker.inner().registry.take_for_release(id) else {
             return Ok(false); // released by shutdown
-        }
-        match inner.release(lease).await {
+        };
+        match finish_even_if_dropped(owed.send(), |_| {}).await {
             Ok(outcome) => Ok(outcome == ReleaseOutcome::Released),
             Err(source) => Err(self.backend_error(source)),
         }
@@ -162,7 +162,9 @@ impl LockHandle {
 
     /// The fencing token of the current acquisition.
     pub fn fencing_token(&self) -> Option<u64> {
-        self.held.as_ref().map(|(_, lease)| lease.fencing_token())
+        self.held
+            .as_ref()
+            .map(|(_, held)| held.lease.fencing_token())
     }
 
     /// The key.
@@ -185,10 +187,9 @@ impl LockHandle {
 
 impl Drop for LockHandle {
     fn drop(&mut self) {
-        if let Some((id, lease)) = self.held.take() {
-            let inner = self.locker.inner();
-            if inner.registry.remove(id).is_some() {
-                spawn_release(Arc::clone(&inner.backend), lease);
+        if let Some((id, _)) = self.held.take() {
+            if let Some(owed) = self.locker.inner().registry.take_for_release(id) {
+                owed.in_background();
             }
         }
     }

@@ -33,16 +33,21 @@
 //! The contract each behaviour follows is in the workspace README; the
 //! `lock-conformance` crate proves it for every backend.
 
+mod acquire;
 mod backend;
 mod config;
 mod context;
 mod error;
-mod extend;
+mod extender;
 mod gate;
 mod handle;
+mod held;
 mod locker;
 mod mutex;
 mod notify;
+mod registry;
+mod release;
+mod shutdown;
 mod task;
 
 pub use backend::{
@@ -50,13 +55,14 @@ pub use backend::{
     OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
 };
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
-pub use context::{Chain, LockContext};
+pub use context::LockContext;
 pub use error::{BackendError, BackendErrorKind, InvalidInput, LockError, LossCause};
 pub use handle::LockHandle;
-pub use locker::{Locker, ShutdownReport};
+pub use locker::Locker;
 #[allow(deprecated)]
 pub use mutex::{Mutex, MutexConfig};
 pub use notify::{ReleaseHub, ReleaseWatch};
+pub use shutdown::ShutdownReport;
 
 /// Re-exported so that backend crates implement the trait with the same
 /// macro version.

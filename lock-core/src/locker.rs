@@ -4,26 +4,20 @@ use std::fmt;
 use std::future::Future;
 use std::panic::{resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use futures_util::future::CatchUnwind;
 use futures_util::FutureExt;
-use tokio::sync::Notify;
-use tokio::task::futures::TaskLocalFuture;
 use tokio::time::Instant;
-use tracing::Instrument;
 
-use crate::backend::{
-    AcquireOutcome, Capabilities, DynLockBackend, Lease, LockBackend, OwnerToken, ReleaseOutcome,
-};
-use crate::config::{validate_key, LockConfig, LockerOptions, RetryAttempts};
-use crate::context::{held_by_current_task, Chain, LeaseState, LockContext};
-use crate::error::{BackendError, LockError, LossCause};
-use crate::extend::{spawn_release, spawn_uncertain_release, Holder, Registry};
-use crate::gate::{GatePass, Gates};
-use crate::task::{finish_even_if_dropped, never};
+use crate::backend::{Capabilities, DynLockBackend, LockBackend, ReleaseOutcome};
+use crate::config::{validate_key, LockConfig, LockerOptions};
+use crate::context::{held_by_current_task, LockContext, Scoped};
+use crate::error::{LockError, LossCause};
+use crate::gate::Gates;
+use crate::registry::Registry;
+use crate::shutdown::ShutdownSignal;
+use crate::task::never;
 
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -56,95 +50,14 @@ pub struct Locker {
 }
 
 pub(crate) struct Inner {
-    id: u64,
+    pub(crate) id: u64,
     pub(crate) backend: Arc<DynLockBackend>,
-    caps: Capabilities,
+    pub(crate) caps: Capabilities,
     pub(crate) node_id: Arc<str>,
-    options: LockerOptions,
-    gates: Arc<Gates>,
+    pub(crate) options: LockerOptions,
+    pub(crate) gates: Arc<Gates>,
     pub(crate) registry: Arc<Registry>,
-    shutdown: ShutdownSignal,
-}
-
-impl Inner {
-    /// One acquisition attempt that cannot strand a lock \[C1, O3\]: if
-    /// it is dropped and its answer says the key was taken, the key is
-    /// released; if it fails on an error, the request may still have been
-    /// applied (a hung server runs it when it wakes up), so the key is
-    /// released with the same owner token until its ttl has run out.
-    pub(crate) async fn attempt(
-        &self,
-        key: &Arc<str>,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        let sent_at = Instant::now();
-        let backend = Arc::clone(&self.backend);
-        let (k, o) = (Arc::clone(key), owner.clone());
-        let step = async move { backend.try_acquire(&k, &o, ttl).await };
-        let backend = Arc::clone(&self.backend);
-        let lease = Lease::new(Arc::clone(key), owner.clone(), 0);
-        let orphan = move |answer: Result<AcquireOutcome, BackendError>| match answer {
-            Ok(AcquireOutcome::Acquired { .. }) => spawn_release(backend, lease),
-            Ok(AcquireOutcome::Busy) => {}
-            Err(_) => spawn_uncertain_release(backend, lease, sent_at + ttl),
-        };
-        let answer = finish_even_if_dropped(step, orphan).await;
-        if answer.is_err() {
-            let lease = Lease::new(Arc::clone(key), owner.clone(), 0);
-            spawn_uncertain_release(Arc::clone(&self.backend), lease, sent_at + ttl);
-        }
-        answer
-    }
-
-    /// Releases `lease`, going on to the end if the caller is dropped.
-    pub(crate) async fn release(&self, lease: Lease) -> Result<ReleaseOutcome, BackendError> {
-        let backend = Arc::clone(&self.backend);
-        let step = async move { backend.release(&lease).await };
-        finish_even_if_dropped(step, |_| {}).await
-    }
-}
-
-#[derive(Default)]
-struct ShutdownSignal {
-    started: AtomicBool,
-    notify: Notify,
-}
-
-impl ShutdownSignal {
-    fn start(&self) {
-        self.started.store(true, Ordering::SeqCst);
-        self.notify.notify_waiters();
-    }
-
-    fn is_started(&self) -> bool {
-        self.started.load(Ordering::SeqCst)
-    }
-
-    async fn started(&self) {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.is_started() {
-                return;
-            }
-            notified.await;
-        }
-    }
-}
-
-/// What [`Locker::shutdown`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ShutdownReport {
-    /// Every running callback finished within the grace period.
-    pub callbacks_finished: bool,
-    /// Locks still held after the grace period, released by shutdown.
-    pub released: usize,
-    /// Of those, the releases that failed or did not finish in time; these
-    /// keys expire with their ttl.
-    pub release_failures: usize,
+    pub(crate) shutdown: ShutdownSignal,
 }
 
 impl Locker {
@@ -310,19 +223,27 @@ impl Locker {
     where
         F: FnOnce(LockContext) -> Fut,
         Fut: Future<Output = T>,
-        M: OnLoss<Guarded<Fut>>,
+        M: OnLoss<Fut> + OnLoss<Scoped<Fut>>,
     {
         validate_key(key, self.inner.caps.max_key_len)?;
         if let Some(ctx) = held_by_current_task(self.inner.id, key) {
-            if let Some(cause) = ctx.state.loss_cause() {
-                return Err(LockError::Lost {
-                    key: key.to_owned(),
-                    cause: cause.clone(),
-                });
+            if let Some(cause) = ctx.held.loss_cause() {
+                return Err(lost(key, cause.clone()));
             }
-            if !ctx.state.is_ended() {
-                // [R1] Reentrant: the outer call holds the lock.
-                return Ok(callback(ctx).await);
+            if !ctx.held.is_ended() {
+                // [R1] Reentrant: the outer call holds the lock. This call
+                // still races its loss, and its release when this task was
+                // carried into another with `LockContext::scope`.
+                let held = Arc::clone(&ctx.held);
+                let guarded = Box::pin(AssertUnwindSafe(callback(ctx)).catch_unwind());
+                return match race(guarded, held.lost_or_ended()).await {
+                    Ok(Ok(value)) => Ok(value),
+                    Ok(Err(panic)) => resume_unwind(panic),
+                    Err((guarded, cause)) => {
+                        on_loss.lost(guarded);
+                        Err(lost(key, cause))
+                    }
+                };
             }
         }
         config.validate()?;
@@ -330,236 +251,41 @@ impl Locker {
             return never().await;
         }
         let key: Arc<str> = key.into();
-        let held = self.acquire(&key, config).await?;
+        let lock = self.acquire(&key, config).await?;
         let ctx = LockContext {
-            state: Arc::clone(&held.state),
+            held: Arc::clone(&lock.held),
         };
-        let mut guarded: Pin<Box<Guarded<Fut>>> =
-            Box::pin(AssertUnwindSafe(ctx.scope(callback(ctx.clone()))).catch_unwind());
-        let settled = {
-            let lost = held.state.lost();
-            tokio::pin!(lost);
-            tokio::select! {
-                biased;
-                out = &mut guarded => Ok(out),
-                cause = &mut lost => Err(cause),
-            }
-        };
-        match settled {
+        let guarded = Box::pin(AssertUnwindSafe(ctx.enter(callback(ctx.clone()))).catch_unwind());
+        match race(guarded, lock.held.lost()).await {
             Ok(out) => {
-                // A loss seen in the same instant as the callback's end still
-                // wins: the output was produced without the lock.
-                let lost = held.state.loss_cause().cloned();
-                held.release().await;
-                if let (Some(cause), Ok(_)) = (lost, &out) {
-                    return Err(LockError::Lost {
-                        key: key.to_string(),
-                        cause,
-                    });
+                let held = Arc::clone(&lock.held);
+                // [O6] The output counts only if the lock was ours for the
+                // whole callback: still valid when it settled (a holder that
+                // stalled past its ttl is told here, even when no extension
+                // ran meanwhile), and found ours by the release.
+                if !held.is_valid_at(Instant::now()) {
+                    held.mark_lost(LossCause::Expired);
                 }
-                match out {
-                    Ok(value) => Ok(value),
-                    Err(panic) => resume_unwind(panic),
+                let released = lock.release().await;
+                if matches!(released, Some(Ok(ReleaseOutcome::NotHeld))) {
+                    held.mark_lost(LossCause::Taken);
+                }
+                held.mark_ended();
+                let cause = held.loss_cause().cloned();
+                if let Some(cause) = &cause {
+                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %cause, "lock lost before the callback settled");
+                }
+                match (out, cause) {
+                    (Err(panic), _) => resume_unwind(panic),
+                    (Ok(value), None) => Ok(value),
+                    (Ok(_), Some(cause)) => Err(lost(&key, cause)),
                 }
             }
-            Err(cause) => {
-                held.abandon();
+            Err((guarded, cause)) => {
+                lock.abandon();
                 on_loss.lost(guarded);
-                Err(LockError::Lost {
-                    key: key.to_string(),
-                    cause,
-                })
+                Err(lost(&key, cause))
             }
-        }
-    }
-
-    /// Acquires `key` for a callback: the per-key wait list, then the
-    /// backend attempts \[A1–A6\].
-    async fn acquire(&self, key: &Arc<str>, config: &LockConfig) -> Result<Held, LockError> {
-        let inner = &self.inner;
-        let span = tracing::debug_span!("acquire", key = %key);
-        async move {
-            let limit = match config.retry_attempts {
-                RetryAttempts::Limited(n) => Some(n),
-                RetryAttempts::Unlimited => None,
-            };
-            let exhausted = |counted: u32| limit.is_some_and(|n| counted > n);
-            let mut counted: u32 = 0;
-            let mut next_slot = Instant::now();
-
-            // [A6] Another task of this locker holds or tries the key: wait
-            // in line. Each slot that passes counts as an attempt that found
-            // the key busy, so the give-up time stays as configured.
-            let pass = match inner.gates.enter(key) {
-                Ok(pass) => pass,
-                Err(mut place) => loop {
-                    tokio::select! {
-                        biased;
-                        pass = place.wait() => break pass,
-                        () = inner.shutdown.started() => return never().await,
-                        () = tokio::time::sleep_until(next_slot) => {
-                            counted += 1;
-                            if exhausted(counted) {
-                                tracing::debug!(attempts = counted, "not acquired: held by another task of this node");
-                                return Err(not_acquired(key, counted, None));
-                            }
-                            next_slot += config.retry_delay;
-                        }
-                    }
-                },
-            };
-
-            let mut watch = None;
-            // The last attempt that failed on a backend error, if any did.
-            let mut last_error = None;
-            let mut busy;
-            loop {
-                if inner.shutdown.is_started() {
-                    return never().await;
-                }
-                let owner = OwnerToken::new(&inner.node_id);
-                let sent_at = Instant::now();
-                let slot_due = sent_at >= next_slot;
-                match inner.attempt(key, &owner, config.ttl).await {
-                    Ok(AcquireOutcome::Acquired { fencing_token }) => {
-                        let lease = Lease::new(Arc::clone(key), owner, fencing_token);
-                        return self.hold(lease, config.ttl, sent_at, pass).await;
-                    }
-                    Ok(AcquireOutcome::Busy) => busy = true,
-                    Err(error) => {
-                        tracing::debug!(%error, "acquisition attempt failed");
-                        last_error = Some(error);
-                        busy = false;
-                    }
-                }
-                if slot_due {
-                    counted += 1;
-                    if exhausted(counted) {
-                        tracing::debug!(attempts = counted, "not acquired");
-                        return Err(not_acquired(key, counted, last_error.take()));
-                    }
-                    next_slot = sent_at.max(next_slot) + config.retry_delay;
-                }
-                // A failing store would fail the subscription too: watch
-                // only once the key was found held.
-                if busy && inner.caps.release_notifications && watch.is_none() {
-                    // Subscribe only once the key was found busy, so an
-                    // uncontended call pays nothing for it; then try again at
-                    // once, which sees any release made before the watch
-                    // existed, while the watch sees every one after.
-                    match inner.backend.watch_release(key).await {
-                        Ok(w) => {
-                            watch = Some(w);
-                            continue;
-                        }
-                        Err(error) => {
-                            tracing::debug!(%error, "release watch failed; waiting on the retry timer");
-                        }
-                    }
-                }
-                tracing::trace!(attempts = counted, "busy; waiting");
-                tokio::select! {
-                    biased;
-                    () = inner.shutdown.started() => return never().await,
-                    () = released(&mut watch) => {}
-                    () = tokio::time::sleep_until(next_slot) => {}
-                }
-            }
-        }
-        .instrument(span)
-        .await
-    }
-
-    /// Registers an acquired lease for extension, or gives it back if the
-    /// locker is shutting down.
-    async fn hold(
-        &self,
-        lease: Lease,
-        ttl: Duration,
-        sent_at: Instant,
-        pass: GatePass,
-    ) -> Result<Held, LockError> {
-        let inner = &self.inner;
-        let state = Arc::new(LeaseState::new(
-            inner.id,
-            Arc::clone(lease.key_arc()),
-            lease.fencing_token(),
-        ));
-        let registered = inner.registry.insert(
-            lease.clone(),
-            ttl,
-            sent_at,
-            Holder::Callback,
-            Some(Arc::clone(&state)),
-        );
-        match registered {
-            Some(id) => {
-                tracing::debug!(fencing_token = lease.fencing_token(), "acquired");
-                Ok(Held {
-                    inner: Arc::clone(inner),
-                    id,
-                    lease,
-                    state,
-                    pass: Some(pass),
-                    armed: true,
-                })
-            }
-            None => {
-                spawn_release(Arc::clone(&inner.backend), lease);
-                never().await
-            }
-        }
-    }
-
-    /// Stops this node: no new acquisitions, running callbacks get up to
-    /// `grace` to finish, then every lock the node still holds is released,
-    /// so other nodes do not wait for the ttl \[S1\].
-    ///
-    /// - Calls whose lock is released this way return
-    ///   [`LockError::Lost`] with [`LossCause::Shutdown`].
-    /// - From the moment this is called, `with_lock` on this node never
-    ///   settles and never runs its callback, nor do calls already waiting
-    ///   \[S2\]; handles and `Mutex`es cannot acquire either.
-    /// - It returns within `grace` plus
-    ///   [`LockerOptions::release_timeout`], even when the backend is down
-    ///   \[S3\].
-    ///
-    /// # Cancel safety
-    ///
-    /// Dropping the future stops the waiting; the locker stays shut to new
-    /// acquisitions, and locks not yet released expire with their ttl.
-    pub async fn shutdown(&self, grace: Duration) -> ShutdownReport {
-        let inner = &self.inner;
-        tracing::info!(node_id = %inner.node_id, ?grace, "locker shutting down");
-        inner.registry.close_to_new();
-        inner.shutdown.start();
-        let callbacks_finished = tokio::time::timeout(grace, inner.registry.idle())
-            .await
-            .is_ok();
-        let drained = inner.registry.close_and_drain();
-        for removed in &drained {
-            if let Some(state) = &removed.state {
-                state.mark_lost(LossCause::Shutdown);
-            }
-        }
-        let released = drained.len();
-        let releases =
-            futures_util::future::join_all(drained.iter().map(|r| inner.backend.release(&r.lease)));
-        let release_failures =
-            match tokio::time::timeout(inner.options.release_timeout, releases).await {
-                Ok(answers) => answers.iter().filter(|a| a.is_err()).count(),
-                Err(_) => released,
-            };
-        tracing::info!(
-            released,
-            release_failures,
-            callbacks_finished,
-            "locker shut down"
-        );
-        ShutdownReport {
-            callbacks_finished,
-            released,
-            release_failures,
         }
     }
 }
@@ -575,39 +301,45 @@ impl fmt::Debug for Locker {
     }
 }
 
-fn not_acquired(key: &str, attempts: u32, source: Option<BackendError>) -> LockError {
-    LockError::NotAcquired {
+fn lost(key: &str, cause: LossCause) -> LockError {
+    LockError::Lost {
         key: key.to_owned(),
-        attempts,
-        source,
+        cause,
     }
 }
 
-async fn released(watch: &mut Option<crate::notify::ReleaseWatch>) {
-    match watch {
-        Some(w) => w.released().await,
-        None => std::future::pending().await,
+/// The callback's future as the driver polls it, with panics caught so the
+/// lock is released before they resume.
+type Guarded<G> = Pin<Box<futures_util::future::CatchUnwind<AssertUnwindSafe<G>>>>;
+
+/// Polls `callback` until it settles or `loss` resolves first; a loss seen
+/// in the same poll wins, so a cancelled callback is not polled after it.
+async fn race<G: Future>(
+    mut callback: Guarded<G>,
+    loss: impl Future<Output = LossCause>,
+) -> Result<std::thread::Result<G::Output>, (Guarded<G>, LossCause)> {
+    tokio::pin!(loss);
+    tokio::select! {
+        biased;
+        cause = &mut loss => Err((callback, cause)),
+        out = &mut callback => Ok(out),
     }
 }
-
-/// The callback's future as the driver polls it: inside the lock's task-local
-/// scope, with panics caught so the lock is released before they resume.
-type Guarded<Fut> = CatchUnwind<AssertUnwindSafe<TaskLocalFuture<Chain, Fut>>>;
 
 /// What becomes of a callback whose lock was lost \[L3\].
-trait OnLoss<G> {
-    fn lost(self, callback: Pin<Box<G>>);
+trait OnLoss<G: Future> {
+    fn lost(self, callback: Guarded<G>);
 }
 
 /// The default: the callback goes on in a task of its own.
 struct Detach;
 
-impl<G, T> OnLoss<G> for Detach
+impl<G> OnLoss<G> for Detach
 where
-    G: Future<Output = std::thread::Result<T>> + Send + 'static,
-    T: Send + 'static,
+    G: Future + Send + 'static,
+    G::Output: Send + 'static,
 {
-    fn lost(self, callback: Pin<Box<G>>) {
+    fn lost(self, callback: Guarded<G>) {
         tokio::spawn(async move {
             if callback.await.is_err() {
                 tracing::error!("a callback panicked after its lock was lost");
@@ -619,57 +351,8 @@ where
 /// The callback is dropped at once.
 struct Cancel;
 
-impl<G> OnLoss<G> for Cancel {
-    fn lost(self, callback: Pin<Box<G>>) {
+impl<G: Future> OnLoss<G> for Cancel {
+    fn lost(self, callback: Guarded<G>) {
         drop(callback);
-    }
-}
-
-/// A lease held for a callback, with the key's pass. Dropping it releases
-/// the lease in the background \[C2\].
-struct Held {
-    inner: Arc<Inner>,
-    id: u64,
-    lease: Lease,
-    state: Arc<LeaseState>,
-    pass: Option<GatePass>,
-    armed: bool,
-}
-
-impl Held {
-    /// Releases the lease and waits for the answer, then lets the next task
-    /// of this node in \[H3\].
-    async fn release(mut self) {
-        self.armed = false;
-        self.state.mark_ended();
-        if self.inner.registry.remove(self.id).is_some() {
-            match self.inner.release(self.lease.clone()).await {
-                Ok(outcome) => {
-                    tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
-                }
-                Err(error) => {
-                    tracing::debug!(key = %self.lease.key(), %error, "release failed; the key expires with its ttl");
-                }
-            }
-        }
-        drop(self.pass.take());
-    }
-
-    /// Forgets a lease that was lost; the extender or shutdown already took
-    /// it out of the registry.
-    fn abandon(mut self) {
-        self.armed = false;
-        self.inner.registry.remove(self.id);
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if self.armed {
-            self.state.mark_ended();
-            if let Some(lease) = self.inner.registry.remove(self.id) {
-                spawn_release(Arc::clone(&self.inner.backend), lease);
-            }
-        }
     }
 }

@@ -42,7 +42,10 @@ pub async fn a1_first_attempt_at_once_then_spaced_retries(factory: Arc<dyn Backe
     let counting = CountingBackend::new(Arc::clone(&backend));
     let b = node(counting.clone(), "b");
     let delay = Duration::from_millis(60);
-    let cfg = LockConfig::default().retry_attempts(3).retry_delay(delay);
+    let cfg = LockConfig::default()
+        .retry_attempts(3)
+        .retry_delay(delay)
+        .retry_jitter(Duration::ZERO);
     let started = Instant::now();
     let err = within(
         SOON,
@@ -94,9 +97,10 @@ pub async fn a2_defaults_give_up_after_eleven_attempts(factory: Arc<dyn BackendF
     .expect_err("held elsewhere");
     let elapsed = started.elapsed();
     assert_eq!(attempts_of(&err), 11);
+    // Ten delays of 200 ms ± 100 ms: 2 s on average, never under 1 s.
     assert!(
-        elapsed >= Duration::from_millis(2000),
-        "ten retries 200 ms apart take 2 s, took {elapsed:?}"
+        elapsed >= Duration::from_millis(1000) && elapsed < Duration::from_secs(4),
+        "ten retries about 200 ms apart take about 2 s, took {elapsed:?}"
     );
     held.release().await.unwrap();
 }
@@ -219,7 +223,10 @@ pub async fn a5_release_notification_wakes_waiter(factory: Arc<dyn BackendFactor
         let c = node(counting.clone(), "c");
         assert!(held.acquire().await.unwrap());
         let delay = Duration::from_millis(300);
-        let cfg = LockConfig::default().retry_attempts(2).retry_delay(delay);
+        let cfg = LockConfig::default()
+            .retry_attempts(2)
+            .retry_delay(delay)
+            .retry_jitter(Duration::ZERO);
         let (l, k) = (c.clone(), key.clone());
         let started = Instant::now();
         let waiter = tokio::spawn(async move { l.with_lock_config(&k, &cfg, |_| async {}).await });
@@ -262,7 +269,10 @@ pub async fn a6_local_waiters_queue_without_polling(factory: Arc<dyn BackendFact
     let counting = CountingBackend::new(Arc::clone(&backend));
     let local = node(counting.clone(), "local");
     let delay = Duration::from_millis(100);
-    let cfg = LockConfig::default().wait_forever().retry_delay(delay);
+    let cfg = LockConfig::default()
+        .wait_forever()
+        .retry_delay(delay)
+        .retry_jitter(Duration::ZERO);
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     let waited = Instant::now();
@@ -298,4 +308,52 @@ pub async fn a6_local_waiters_queue_without_polling(factory: Arc<dyn BackendFact
         5,
         "each holder releases in the backend, so other nodes get their turn"
     );
+}
+
+/// \[A7\] The delays between two counted attempts are jittered around
+/// `retry_delay`, so waiters behind a client that publishes nothing do not
+/// fire together; each stays within `retry_delay ± retry_jitter`.
+pub async fn a7_retry_delays_are_jittered(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("a7");
+    let holder = node(Arc::clone(&backend), "holder");
+    let mut held = holder.handle(&key, SHORT_TTL * 25).unwrap();
+    assert!(held.acquire().await.unwrap());
+
+    let counting = CountingBackend::new(Arc::clone(&backend));
+    let waiter = node(counting.clone(), "waiter");
+    let delay = Duration::from_millis(40);
+    let jitter = Duration::from_millis(20);
+    let cfg = LockConfig::default()
+        .retry_attempts(12)
+        .retry_delay(delay)
+        .retry_jitter(jitter);
+    let err = within(
+        SOON,
+        "giving up",
+        waiter.with_lock_config(&key, &cfg, |_| async {}),
+    )
+    .await
+    .expect_err("held elsewhere");
+    assert_eq!(attempts_of(&err), 13);
+    // Wake-ups add extra attempts right after a counted one; the counted
+    // attempts are those at least `delay - jitter` after the one before.
+    let times = counting.attempt_times();
+    let mut gaps = Vec::new();
+    let mut last = times[0];
+    for t in &times[1..] {
+        let gap = *t - last;
+        if gap + Duration::from_millis(2) >= delay - jitter {
+            gaps.push(gap);
+            last = *t;
+        }
+    }
+    assert!(gaps.len() >= 10, "counted gaps: {gaps:?}");
+    let spread = *gaps.iter().max().unwrap() - *gaps.iter().min().unwrap();
+    assert!(
+        spread >= Duration::from_millis(8),
+        "delays must not sit on an exact grid: {gaps:?}"
+    );
+    held.release().await.unwrap();
 }

@@ -12,6 +12,7 @@ mod reentrancy;
 mod reliability;
 mod shutdown;
 mod steps;
+mod validity;
 
 pub use acquire::*;
 pub use cancel::*;
@@ -23,3 +24,4 @@ pub use reentrancy::*;
 pub use reliability::*;
 pub use shutdown::*;
 pub use steps::*;
+pub use validity::*;

@@ -96,13 +96,16 @@ pub async fn r2_other_tasks_and_nodes_wait(factory: Arc<dyn BackendFactory>) {
 }
 
 /// \[R3\] A task spawned from inside the callback waits, unless the callback
-/// hands it the lock context with `LockContext::scope`.
+/// hands it the lock context with `LockContext::scope`; a carried task runs
+/// only while the lock is held, and is stopped when the call that took the
+/// lock releases it.
 pub async fn r3_spawned_task_needs_the_context_carried(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
     let key = ns.key("r3");
     let a = node(Arc::clone(&backend), "a");
     let (l, k) = (a.clone(), key.clone());
+    let (lingering_tx, lingering_rx) = tokio::sync::oneshot::channel();
     within(
         SOON,
         "the outer call",
@@ -116,13 +119,31 @@ pub async fn r3_spawned_task_needs_the_context_carried(factory: Arc<dyn BackendF
                 .await
                 .unwrap();
             assert_eq!(
-                carried.expect("a task given the context is reentrant"),
+                carried
+                    .expect("the lock is held while the carried task runs")
+                    .expect("a task given the context is reentrant"),
                 ctx.fencing_token()
             );
+            // A carried task still running when the outer call ends.
+            let lingering = tokio::spawn(ctx.scope(std::future::pending::<()>()));
+            let _ = lingering_tx.send(lingering);
         }),
     )
     .await
     .unwrap();
+    let lingering = within(SOON, "the lingering task", lingering_rx.await.unwrap())
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            lingering,
+            Err(LockError::Lost {
+                cause: lock_core::LossCause::Released,
+                ..
+            })
+        ),
+        "a carried task is stopped when the lock is released, got {lingering:?}"
+    );
 }
 
 /// \[R4\] Two lockers never share reentrancy, even for equal keys.

@@ -52,6 +52,10 @@ pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
         "the slow callback's lock and the handle's"
     );
     assert_eq!(report.release_failures, 0);
+    // The store is checked at once, before any call's result is awaited.
+    for key in [&quick_key, &slow_key, &handle_key] {
+        assert_free(&backend, key, "right after shutdown returned").await;
+    }
     assert_eq!(
         within(SOON, "quick call", quick).await.unwrap().unwrap(),
         "finished"

@@ -1,0 +1,237 @@
+//! No `Ok` without the lock \[O6, H6\], and a shutdown that returns only
+//! once its releases were answered \[S1\].
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{AcquireOutcome, Lease, LockConfig, LockContext, LockError, LossCause, OwnerToken};
+use tokio::sync::oneshot;
+
+use crate::counting::CountingBackend;
+use crate::faults::{FaultInjector, Step};
+use crate::support::{
+    assert_free, node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON,
+};
+
+fn assert_lost(got: &Result<(), LockError>, what: &str) {
+    assert!(
+        matches!(
+            got,
+            Err(LockError::Lost {
+                cause: LossCause::Expired | LossCause::Taken,
+                ..
+            })
+        ),
+        "{what}: expected Lost (Expired or Taken), got {got:?}"
+    );
+}
+
+/// \[O6\] A holder that stalls past its ttl (its whole thread blocked, as in
+/// a GC pause or a stopped process, so no extension runs) while another node
+/// takes the key is told it lost the lock when its callback settles, and its
+/// context agrees.
+pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("o6-stall");
+    let a = node(Arc::clone(&backend), "a");
+    let b = node(Arc::clone(&backend), "b");
+    let (b_holds_tx, b_holds_rx) = std::sync::mpsc::channel::<()>();
+    let (a_done_tx, a_done_rx) = oneshot::channel::<()>();
+    let (ctx_tx, ctx_rx) = oneshot::channel::<LockContext>();
+
+    // Node A runs on a one-thread runtime of its own, which its callback
+    // blocks: its extender cannot run either.
+    let (l, k) = (a.clone(), key.clone());
+    let stalled = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for node a");
+        runtime.block_on(async move {
+            let cfg = LockConfig::default().ttl(SHORT_TTL);
+            l.with_lock_config(&k, &cfg, move |ctx| {
+                let _ = ctx_tx.send(ctx);
+                async move {
+                    // Blocks until node B holds the key, then a little more.
+                    let _ = b_holds_rx.recv_timeout(SOON);
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+            .await
+        })
+    });
+    let ctx = within(SOON, "a's callback starts", ctx_rx).await.unwrap();
+
+    let (l, k) = (b.clone(), key.clone());
+    let taker = tokio::spawn(async move {
+        l.with_lock_config(&k, &patient(), move |_| async move {
+            let _ = b_holds_tx.send(());
+            // Holds on until A's call has given its answer: the two overlap.
+            let _ = tokio::time::timeout(SOON, a_done_rx).await;
+        })
+        .await
+    });
+    let got = within(SOON, "a's call settles", async {
+        loop {
+            if stalled.is_finished() {
+                return stalled.join().expect("node a's thread");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let _ = a_done_tx.send(());
+    assert_lost(&got, "a holder that stalled past its ttl");
+    assert!(ctx.is_lost(), "the context agrees with the call");
+    within(
+        Duration::from_millis(100),
+        "lost() of the stalled holder",
+        ctx.lost(),
+    )
+    .await;
+    within(SOON, "b's call", taker)
+        .await
+        .unwrap()
+        .expect("b took the key after a's ttl");
+    assert_free(&backend, &key, "after both calls").await;
+}
+
+/// \[O6\] A key deleted and taken by another client before the first
+/// extension: the release finds another owner's value, so the call is lost
+/// with cause `Taken`, not `Ok`.
+pub async fn o6_key_replaced_before_first_extension_is_lost(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("o6-replaced");
+    let counting = CountingBackend::new(Arc::clone(&backend));
+    let a = node(counting.clone(), "a");
+    let cfg = LockConfig::default().ttl(Duration::from_secs(30));
+    let thief = OwnerToken::new("thief");
+    let (thief_backend, k, spy, t) = (
+        Arc::clone(&backend),
+        key.clone(),
+        counting.clone(),
+        thief.clone(),
+    );
+    let (ctx_tx, ctx_rx) = oneshot::channel();
+    let got = within(
+        SOON,
+        "the call",
+        a.with_lock_config(&key, &cfg, move |ctx| async move {
+            let _ = ctx_tx.send(ctx);
+            // Another client deletes the key and sets its own value.
+            let ours = spy.last_owner(&k).expect("the acquisition's owner");
+            let deleted = thief_backend
+                .release(&Lease::new(k.as_str(), ours, 0))
+                .await;
+            assert!(deleted.is_ok(), "{deleted:?}");
+            let taken = thief_backend
+                .try_acquire(&k, &t, Duration::from_secs(30))
+                .await;
+            assert!(
+                matches!(taken, Ok(AcquireOutcome::Acquired { .. })),
+                "{taken:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }),
+    )
+    .await;
+    assert!(
+        matches!(
+            got,
+            Err(LockError::Lost {
+                cause: LossCause::Taken,
+                ..
+            })
+        ),
+        "expected Lost (Taken), got {got:?}"
+    );
+    let ctx = ctx_rx.await.unwrap();
+    assert!(ctx.is_lost(), "the context agrees with the call");
+    assert!(matches!(ctx.loss_cause(), Some(LossCause::Taken)));
+    // The thief's lock was left alone: only its owner frees it.
+    let probe = backend
+        .try_acquire(&key, &OwnerToken::new("probe"), SHORT_TTL)
+        .await;
+    assert!(matches!(probe, Ok(AcquireOutcome::Busy)), "{probe:?}");
+    let freed = backend.release(&Lease::new(key.as_str(), thief, 0)).await;
+    assert!(
+        matches!(freed, Ok(lock_core::ReleaseOutcome::Released)),
+        "{freed:?}"
+    );
+}
+
+/// \[H6\] A callback never starts on a lease whose validity ran out before
+/// its answer came (an acquisition a paused store applied late): that lease
+/// is released and counts as a failed attempt, and the callback runs once,
+/// on a later, valid lease.
+pub async fn h6_callback_never_starts_on_a_late_lease(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("h6");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let counting = CountingBackend::new(faulty.clone());
+    faulty.delay_answers(Step::TryAcquire, 1, SHORT_TTL + Duration::from_millis(200));
+    let a = node(counting.clone(), "a");
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = Arc::clone(&runs);
+    let cfg = patient().ttl(SHORT_TTL);
+    let got = within(
+        SOON,
+        "the call",
+        a.with_lock_config(&key, &cfg, move |ctx| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            // Long enough for an extension to be due on a stale lease.
+            tokio::time::sleep(SHORT_TTL / 2).await;
+            ctx.fencing_token()
+        }),
+    )
+    .await;
+    assert!(got.is_ok(), "the callback ran on a valid lease: {got:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the callback ran once");
+    assert!(
+        counting.calls(Step::TryAcquire) >= 2,
+        "the late lease was not used: another attempt took the key"
+    );
+    assert_free(&backend, &key, "after the call").await;
+}
+
+/// \[S1\] When `shutdown` returns, the releases it owes were answered: a
+/// callback that finished just before, and a handle dropped just before,
+/// whose releases were still in flight. The store is checked at once,
+/// before any call's own result is awaited.
+pub async fn s1_shutdown_returns_after_owed_releases(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let (done_key, handle_key) = (ns.key("s1-done"), ns.key("s1-dropped"));
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    faulty.delay(Step::Release, Duration::from_millis(300));
+    let a = node(faulty.clone(), "a");
+
+    let (finishing_tx, finishing_rx) = oneshot::channel();
+    let (l, k) = (a.clone(), done_key.clone());
+    let call = tokio::spawn(async move {
+        l.with_lock(&k, move |_| async move {
+            let _ = finishing_tx.send(());
+        })
+        .await
+    });
+    within(SOON, "the callback finishes", finishing_rx)
+        .await
+        .unwrap();
+    let mut handle = a.handle(&handle_key, Duration::from_secs(30)).unwrap();
+    assert!(handle.acquire().await.unwrap());
+    drop(handle);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let report = within(SOON, "shutdown", a.shutdown(Duration::from_secs(2))).await;
+    for key in [&done_key, &handle_key] {
+        assert_free(&backend, key, "right after shutdown returned").await;
+    }
+    assert_eq!(report.release_failures, 0, "{report:?}");
+    assert!(report.callbacks_finished);
+    within(SOON, "the call", call).await.unwrap().unwrap();
+    assert_eq!(a.held(), 0);
+}

@@ -1,0 +1,274 @@
+//! Acquiring a lock for a callback: the per-key wait list, then the backend
+//! attempts, spaced with jitter and woken by release notifications
+//! \[A1–A7, H6\].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::backend::{AcquireOutcome, Lease, OwnerToken};
+use crate::config::{LockConfig, RetryAttempts};
+use crate::error::{BackendError, BackendErrorKind, LockError};
+use crate::gate::GatePass;
+use crate::held::{HeldLock, Holder};
+use crate::locker::{Inner, Locker};
+use crate::notify::ReleaseWatch;
+use crate::task::{finish_even_if_dropped, never};
+
+impl Inner {
+    /// One acquisition attempt that cannot strand a lock \[C1, O3\]: if it
+    /// is dropped and its answer says the key was taken, the key is
+    /// released; if it fails on an error after its request may have reached
+    /// the store (a hung server runs it when it wakes up), the key's
+    /// clean-up releases it with the same owner token until its ttl has run
+    /// out.
+    pub(crate) async fn attempt(
+        &self,
+        key: &Arc<str>,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let backend = Arc::clone(&self.backend);
+        let (k, o) = (Arc::clone(key), owner.clone());
+        let step = async move { backend.try_acquire(&k, &o, ttl).await };
+        let registry = Arc::clone(&self.registry);
+        let (k, o) = (Arc::clone(key), owner.clone());
+        let orphan = move |answer: Result<AcquireOutcome, BackendError>| match answer {
+            Ok(AcquireOutcome::Acquired { fencing_token }) => {
+                registry
+                    .owe_release(Lease::new(k, o, fencing_token))
+                    .in_background();
+            }
+            Ok(AcquireOutcome::Busy) => {}
+            Err(error) => {
+                if error.may_have_reached_store() {
+                    registry.cleanup.add(&registry, &k, o, Instant::now() + ttl);
+                }
+            }
+        };
+        let answer = finish_even_if_dropped(step, orphan).await;
+        if let Err(error) = &answer {
+            if error.may_have_reached_store() {
+                let until = Instant::now() + ttl;
+                self.registry
+                    .cleanup
+                    .add(&self.registry, key, owner.clone(), until);
+            }
+        }
+        answer
+    }
+
+    /// Turns an acquired lease into a held lock, unless its answer came too
+    /// late to use \[H6\]: then it is released and the attempt counts as
+    /// failed. A lock taken after shutdown began is released too, and the
+    /// call never settles \[S2\].
+    pub(crate) async fn hold(
+        &self,
+        lease: Lease,
+        ttl: Duration,
+        sent_at: Instant,
+        holder: Holder,
+    ) -> Result<(u64, Arc<HeldLock>), BackendError> {
+        let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder));
+        if !held.is_valid_at(Instant::now()) {
+            tracing::debug!(key = %held.lease.key(), "acquisition answered after the lease's validity ran out; releasing it");
+            self.registry
+                .owe_release(held.lease.clone())
+                .in_background();
+            return Err(BackendError::message(
+                BackendErrorKind::Timeout,
+                "the acquisition was answered after the lease's validity had run out",
+            ));
+        }
+        match self.registry.insert(Arc::clone(&held)) {
+            Some(id) => {
+                tracing::debug!(fencing_token = held.lease.fencing_token(), "acquired");
+                Ok((id, held))
+            }
+            None => {
+                self.registry
+                    .owe_release(held.lease.clone())
+                    .in_background();
+                never().await
+            }
+        }
+    }
+}
+
+/// A lock held for a callback, with the key's pass. Dropping it releases
+/// the lock in the background \[C2\].
+pub(crate) struct Holding {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) id: u64,
+    pub(crate) held: Arc<HeldLock>,
+    pass: Option<GatePass>,
+    armed: bool,
+}
+
+impl Holding {
+    /// Releases the lock and waits for the store's answer, then lets the
+    /// next task of this node in \[H3\]. `None` when the lock was no longer
+    /// this call's to release (lost, or released by shutdown).
+    pub(crate) async fn release(
+        mut self,
+    ) -> Option<Result<crate::backend::ReleaseOutcome, BackendError>> {
+        self.armed = false;
+        let owed = self.inner.registry.take_for_release(self.id)?;
+        let answer = finish_even_if_dropped(owed.send(), |_| {}).await;
+        drop(self.pass.take());
+        Some(answer)
+    }
+
+    /// Gives the lock up after a loss: the extender or shutdown already
+    /// took it out; if not, it is released in the background.
+    pub(crate) fn abandon(mut self) {
+        self.armed = false;
+        self.held.mark_ended();
+        if let Some(owed) = self.inner.registry.take_for_release(self.id) {
+            owed.in_background();
+        }
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        if self.armed {
+            self.held.mark_ended();
+            if let Some(owed) = self.inner.registry.take_for_release(self.id) {
+                owed.in_background();
+            }
+        }
+    }
+}
+
+impl Locker {
+    /// Acquires `key` for a callback.
+    pub(crate) async fn acquire(
+        &self,
+        key: &Arc<str>,
+        config: &LockConfig,
+    ) -> Result<Holding, LockError> {
+        let inner = self.inner();
+        let span = tracing::debug_span!("acquire", key = %key);
+        async move {
+            let limit = match config.retry_attempts {
+                RetryAttempts::Limited(n) => Some(n),
+                RetryAttempts::Unlimited => None,
+            };
+            let exhausted = |counted: u32| limit.is_some_and(|n| counted > n);
+            let mut counted: u32 = 0;
+            let mut next_slot = Instant::now();
+
+            // [A6] Another task of this locker holds or tries the key: wait
+            // in line. Each slot that passes counts as an attempt that found
+            // the key busy, so the give-up time stays as configured.
+            let pass = match inner.gates.enter(key) {
+                Ok(pass) => pass,
+                Err(mut place) => loop {
+                    tokio::select! {
+                        biased;
+                        pass = place.wait() => break pass,
+                        () = inner.shutdown.started() => return never().await,
+                        () = tokio::time::sleep_until(next_slot) => {
+                            counted += 1;
+                            if exhausted(counted) {
+                                tracing::debug!(attempts = counted, "not acquired: held by another task of this node");
+                                return Err(not_acquired(key, counted, None));
+                            }
+                            next_slot += config.retry_delay;
+                        }
+                    }
+                },
+            };
+
+            let mut watch = None;
+            // The last attempt that failed on a backend error, if any did.
+            let mut last_error = None;
+            loop {
+                if inner.shutdown.is_started() {
+                    return never().await;
+                }
+                let owner = OwnerToken::new(&inner.node_id);
+                let sent_at = Instant::now();
+                let slot_due = sent_at >= next_slot;
+                let busy = match inner.attempt(key, &owner, config.ttl).await {
+                    Ok(AcquireOutcome::Acquired { fencing_token }) => {
+                        let lease = Lease::new(Arc::clone(key), owner, fencing_token);
+                        match inner.hold(lease, config.ttl, sent_at, Holder::Callback).await {
+                            Ok((id, held)) => {
+                                return Ok(Holding {
+                                    inner: Arc::clone(inner),
+                                    id,
+                                    held,
+                                    pass: Some(pass),
+                                    armed: true,
+                                });
+                            }
+                            Err(late) => {
+                                last_error = Some(late);
+                                false
+                            }
+                        }
+                    }
+                    Ok(AcquireOutcome::Busy) => true,
+                    Err(error) => {
+                        tracing::debug!(%error, "acquisition attempt failed");
+                        last_error = Some(error);
+                        false
+                    }
+                };
+                if slot_due {
+                    counted += 1;
+                    if exhausted(counted) {
+                        tracing::debug!(attempts = counted, "not acquired");
+                        return Err(not_acquired(key, counted, last_error.take()));
+                    }
+                    next_slot = sent_at.max(next_slot) + config.jittered_delay();
+                }
+                // A failing store would fail the subscription too: watch
+                // only once the key was found held.
+                if busy && inner.caps.release_notifications && watch.is_none() {
+                    // Subscribe only once the key was found busy, so an
+                    // uncontended call pays nothing for it; then try again at
+                    // once, which sees any release made before the watch
+                    // existed, while the watch sees every one after.
+                    match inner.backend.watch_release(key).await {
+                        Ok(w) => {
+                            watch = Some(w);
+                            continue;
+                        }
+                        Err(error) => {
+                            tracing::debug!(%error, "release watch failed; waiting on the retry timer");
+                        }
+                    }
+                }
+                tracing::trace!(attempts = counted, "busy; waiting");
+                tokio::select! {
+                    biased;
+                    () = inner.shutdown.started() => return never().await,
+                    () = released(&mut watch) => {}
+                    () = tokio::time::sleep_until(next_slot) => {}
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+}
+
+fn not_acquired(key: &str, attempts: u32, source: Option<BackendError>) -> LockError {
+    LockError::NotAcquired {
+        key: key.to_owned(),
+        attempts,
+        source,
+    }
+}
+
+async fn released(watch: &mut Option<ReleaseWatch>) {
+    match watch {
+        Some(w) => w.released().await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,261 @@
+//! The one extender task per locker that keeps its callbacks' locks alive
+//! \[H1, L1, L2, P4\].
+//!
+//! Locks are kept in one schedule ordered by when they are due. The
+//! extender sleeps until the first is due, then sends every lock due within
+//! a twelfth of its ttl in batches of [`Capabilities::max_extend_batch`], each
+//! batch one backend call in a task of its own, so a stalled call cannot hold
+//! up the others. Holding 10,000 locks costs one timer and, per ttl / 3,
+//! `10_000 / max_extend_batch` backend calls.
+//!
+//! The task runs on the runtime of the call that started it. If that
+//! runtime goes away, the task's end is noticed and the next lock taken
+//! starts a new one.
+//!
+//! [`Capabilities::max_extend_batch`]: crate::Capabilities::max_extend_batch
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::backend::{ExtendOutcome, ExtendRequest};
+use crate::error::{BackendError, BackendErrorKind, LossCause};
+use crate::held::HeldLock;
+use crate::registry::Registry;
+
+/// The first pause before an extension that failed is sent again.
+pub(crate) fn first_backoff(ttl: Duration) -> Duration {
+    (ttl / 30).max(Duration::from_millis(10))
+}
+
+/// Starts the extender of `registry` on the current runtime.
+pub(crate) fn start(registry: &Arc<Registry>) {
+    let running = Running(Arc::downgrade(registry));
+    tokio::spawn(run(running, Arc::clone(&registry.wake)));
+}
+
+/// Marks the extender stopped when its task ends or is dropped with its
+/// runtime.
+struct Running(Weak<Registry>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(registry) = self.0.upgrade() {
+            let mut s = registry.lock();
+            s.extender_running = false;
+            s.extender_wakes_at = None;
+        }
+    }
+}
+
+async fn run(running: Running, wake: Arc<Notify>) {
+    loop {
+        let notified = wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let next = {
+            let Some(registry) = running.0.upgrade() else {
+                return;
+            };
+            if registry.lock().closed {
+                return;
+            }
+            let (batches, next) = take_due(&registry, Instant::now());
+            for batch in batches {
+                tokio::spawn(send_batch(Arc::clone(&registry), batch));
+            }
+            next
+        };
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at) => {}
+                    () = &mut notified => {}
+                }
+            }
+            None => notified.await,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Batch {
+    ids: Vec<u64>,
+    requests: Vec<ExtendRequest>,
+    /// The earliest validity in the batch: an answer after it says nothing.
+    deadline: Option<Instant>,
+}
+
+/// Takes the locks due now, as batches, declares lost those whose validity
+/// ran out before an extension could be sent, and says when to wake next.
+fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) {
+    let mut s = registry.lock();
+    let mut batches = Vec::new();
+    let mut lost = Vec::new();
+    let mut current = Batch::default();
+    while let Some(&(due, id)) = s.schedule.first() {
+        let Some(e) = s.entries.get(&id) else {
+            s.schedule.pop_first();
+            continue;
+        };
+        let ttl = e.held.ttl;
+        if due > now + ttl / 12 {
+            break;
+        }
+        let valid_until = e.held.valid_until();
+        if now >= valid_until {
+            let error = e.last_error.clone().unwrap_or_else(|| {
+                BackendError::message(
+                    BackendErrorKind::Timeout,
+                    "the lock's validity ran out before an extension could be sent",
+                )
+            });
+            if let Some(e) = s.remove(id) {
+                lost.push((e.held, LossCause::Backend(error)));
+            }
+            continue;
+        }
+        let request = ExtendRequest {
+            lease: e.held.lease.clone(),
+            ttl,
+        };
+        s.schedule.pop_first();
+        if let Some(e) = s.entries.get_mut(&id) {
+            e.due = None;
+        }
+        current.deadline = Some(current.deadline.map_or(valid_until, |d| d.min(valid_until)));
+        current.ids.push(id);
+        current.requests.push(request);
+        if current.ids.len() == registry.max_batch {
+            batches.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.ids.is_empty() {
+        batches.push(current);
+    }
+    let next = s.schedule.first().map(|(d, _)| *d);
+    s.extender_wakes_at = next;
+    drop(s);
+    if !lost.is_empty() {
+        registry.notify_changed();
+    }
+    for (held, cause) in lost {
+        lose(registry, &held, cause, now);
+    }
+    (batches, next)
+}
+
+/// Tells the holder of a lock the extender took out that it was lost.
+fn lose(registry: &Registry, held: &HeldLock, cause: LossCause, now: Instant) {
+    tracing::warn!(
+        key = %held.lease.key(),
+        fencing_token = held.lease.fencing_token(),
+        cause = %cause,
+        "lock lost"
+    );
+    let backend_failed = matches!(cause, LossCause::Backend(_));
+    held.mark_lost(cause);
+    if backend_failed {
+        // The key may still carry our token, and an extension still on its
+        // way may lengthen it: free it while it may.
+        registry.cleanup.add(
+            registry,
+            held.lease.key_arc(),
+            held.lease.owner().clone(),
+            now + held.ttl,
+        );
+    }
+}
+
+/// Applies the answer to one batch sent at `sent_at`. `timed_out`: the
+/// error is the driver's own deadline, not the store's answer.
+fn apply(
+    registry: &Registry,
+    batch: &Batch,
+    sent_at: Instant,
+    answer: Result<Vec<ExtendOutcome>, BackendError>,
+    timed_out: bool,
+) {
+    let now = Instant::now();
+    let mut s = registry.lock();
+    let mut lost = Vec::new();
+    let mut wake = false;
+    for (i, &id) in batch.ids.iter().enumerate() {
+        let Some(e) = s.entries.get_mut(&id) else {
+            continue; // released while the batch was in flight
+        };
+        match answer.as_ref().map(|v| v[i]) {
+            Ok(ExtendOutcome::Extended) => {
+                e.held.confirm(sent_at);
+                e.backoff = first_backoff(e.held.ttl);
+                e.last_error = None;
+                tracing::trace!(key = %e.held.lease.key(), fencing_token = e.held.lease.fencing_token(), "lock extended");
+                let due = e.held.extension_due();
+                wake |= s.schedule(id, due);
+            }
+            Ok(ExtendOutcome::Expired) => lost.push((id, LossCause::Expired)),
+            Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
+            Err(error) => {
+                tracing::debug!(key = %e.held.lease.key(), error = %error, "lock extension failed; retrying");
+                // A last try cut short by the validity deadline says less
+                // than the store's own error before it.
+                let error = match (&e.last_error, timed_out) {
+                    (Some(earlier), true) => earlier.clone(),
+                    _ => error.clone(),
+                };
+                e.last_error = Some(error.clone());
+                let valid_until = e.held.valid_until();
+                if now >= valid_until {
+                    lost.push((id, LossCause::Backend(error)));
+                } else {
+                    let due = (now + e.backoff).min(valid_until);
+                    e.backoff = (e.backoff * 2).min(e.held.ttl / 6);
+                    wake |= s.schedule(id, due);
+                }
+            }
+        }
+    }
+    let lost: Vec<_> = lost
+        .into_iter()
+        .filter_map(|(id, cause)| s.remove(id).map(|e| (e.held, cause)))
+        .collect();
+    drop(s);
+    if !lost.is_empty() {
+        registry.notify_changed();
+    }
+    for (held, cause) in lost {
+        lose(registry, &held, cause, now);
+    }
+    if wake {
+        registry.wake.notify_one();
+    }
+}
+
+async fn send_batch(registry: Arc<Registry>, batch: Batch) {
+    let sent_at = Instant::now();
+    let deadline = batch.deadline.unwrap_or(sent_at);
+    let call = registry.backend.extend_many(&batch.requests);
+    let mut timed_out = false;
+    let answer = match tokio::time::timeout_at(deadline, call).await {
+        Ok(Ok(outcomes)) if outcomes.len() == batch.requests.len() => Ok(outcomes),
+        Ok(Ok(outcomes)) => Err(BackendError::message(
+            BackendErrorKind::Protocol,
+            format!(
+                "extend_many answered {} outcomes for {} leases",
+                outcomes.len(),
+                batch.requests.len()
+            ),
+        )),
+        Ok(Err(error)) => Err(error),
+        Err(_) => {
+            timed_out = true;
+            Err(BackendError::timeout(
+                "extension",
+                deadline.saturating_duration_since(sent_at),
+            ))
+        }
+    };
+    apply(&registry, &batch, sent_at, answer, timed_out);
+}

@@ -1,0 +1,142 @@
+//! `HeldLock`: the one record of a lock this node holds, shared by the call
+//! that took it, the extender, shutdown and the callback's `LockContext`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::backend::Lease;
+use crate::error::LossCause;
+
+/// The margin taken off a lease's validity for clock drift between this
+/// process and the store: 1% of the ttl plus 2 ms.
+pub(crate) fn drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
+}
+
+/// What kind of holder a lock has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Holder {
+    /// A `with_lock` callback: extended in the background, waited for by shutdown.
+    Callback,
+    /// A low-level handle or a `Mutex`: renewed by hand, released by shutdown.
+    Handle,
+}
+
+/// A lock this node holds: its lease, how long it is valid, and whether it
+/// was lost or released.
+pub(crate) struct HeldLock {
+    pub(crate) lease: Lease,
+    pub(crate) ttl: Duration,
+    pub(crate) locker_id: u64,
+    pub(crate) holder: Holder,
+    /// The last confirmed expiry, minus the drift margin: past this instant
+    /// another node may hold the key.
+    valid_until: Mutex<Instant>,
+    lost: OnceLock<LossCause>,
+    ended: AtomicBool,
+    notify: Notify,
+}
+
+impl HeldLock {
+    /// A lock taken by a request sent at `sent_at`: the store's expiry is at
+    /// the earliest `ttl` after it.
+    pub(crate) fn new(
+        locker_id: u64,
+        lease: Lease,
+        ttl: Duration,
+        sent_at: Instant,
+        holder: Holder,
+    ) -> Self {
+        Self {
+            lease,
+            ttl,
+            locker_id,
+            holder,
+            valid_until: Mutex::new(sent_at + ttl - drift(ttl)),
+            lost: OnceLock::new(),
+            ended: AtomicBool::new(false),
+            notify: Notify::new(),
+        }
+    }
+
+    /// Until when the lock is certainly ours.
+    pub(crate) fn valid_until(&self) -> Instant {
+        *self
+            .valid_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the lock is certainly still ours at `now`.
+    pub(crate) fn is_valid_at(&self, now: Instant) -> bool {
+        now < self.valid_until()
+    }
+
+    /// When the next extension is due: a third of the ttl after the request
+    /// that last confirmed the lock was sent.
+    pub(crate) fn extension_due(&self) -> Instant {
+        self.valid_until() + drift(self.ttl) - self.ttl * 2 / 3
+    }
+
+    /// Records an extension sent at `sent_at` that the store confirmed.
+    pub(crate) fn confirm(&self, sent_at: Instant) {
+        let mut until = self
+            .valid_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *until = (*until).max(sent_at + self.ttl - drift(self.ttl));
+    }
+
+    /// Records the loss; the first cause wins. Returns whether this call set it.
+    pub(crate) fn mark_lost(&self, cause: LossCause) -> bool {
+        let first = self.lost.set(cause).is_ok();
+        if first {
+            self.notify.notify_waiters();
+        }
+        first
+    }
+
+    /// Records that the call that took the lock released it.
+    pub(crate) fn mark_ended(&self) {
+        self.ended.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn loss_cause(&self) -> Option<&LossCause> {
+        self.lost.get()
+    }
+
+    pub(crate) fn is_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    /// Resolves when the lock is lost, with the cause.
+    pub(crate) async fn lost(&self) -> LossCause {
+        self.lost_or(false).await
+    }
+
+    /// Resolves when the lock is lost, or released by the call that took
+    /// it ([`LossCause::Released`]): what a task sharing the lock races.
+    pub(crate) async fn lost_or_ended(&self) -> LossCause {
+        self.lost_or(true).await
+    }
+
+    async fn lost_or(&self, or_ended: bool) -> LossCause {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(cause) = self.lost.get() {
+                return cause.clone();
+            }
+            if or_ended && self.is_ended() {
+                return LossCause::Released;
+            }
+            notified.await;
+        }
+    }
+}

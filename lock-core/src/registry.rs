@@ -1,0 +1,274 @@
+//! The registry of the locks a locker holds and of the releases it owes.
+//!
+//! A lock is in the registry from the moment it is taken until its release
+//! is sent, or it is lost. A release is owed from the moment the lock leaves
+//! the registry to be released until the store answered it (or the release
+//! was given up). Shutdown waits on both: first for the callbacks, then for
+//! every owed release \[S1\].
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::backend::{DynLockBackend, Lease};
+use crate::error::{BackendError, LossCause};
+use crate::held::{HeldLock, Holder};
+use crate::release::{Cleanup, OwedRelease};
+
+/// A held lock, with the extender's bookkeeping for it.
+pub(crate) struct Entry {
+    pub(crate) held: Arc<HeldLock>,
+    /// When its next extension is due, if one is scheduled.
+    pub(crate) due: Option<Instant>,
+    pub(crate) backoff: Duration,
+    pub(crate) last_error: Option<BackendError>,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    next_id: u64,
+    pub(crate) entries: HashMap<u64, Entry>,
+    /// The extensions due, by time.
+    pub(crate) schedule: BTreeSet<(Instant, u64)>,
+    callbacks: usize,
+    owed: usize,
+    /// Owed releases that failed or were given up since shutdown began.
+    failed_while_closing: usize,
+    pub(crate) extender_running: bool,
+    /// When the extender looks at the schedule next; `None` while it waits
+    /// for a wake-up. A lock due later needs no wake-up.
+    pub(crate) extender_wakes_at: Option<Instant>,
+    /// Shutdown began: no new locks.
+    no_new: bool,
+    /// Shutdown drained the registry: the extender stops.
+    pub(crate) closed: bool,
+    /// The runtime that last took a lock, for releases started outside one.
+    runtime: Option<Handle>,
+}
+
+impl State {
+    /// Schedules an extension; returns whether the extender must be woken
+    /// to see it in time.
+    pub(crate) fn schedule(&mut self, id: u64, due: Instant) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        e.due = Some(due);
+        self.schedule.insert((due, id));
+        if self.extender_wakes_at.is_none_or(|at| due < at) {
+            self.extender_wakes_at = Some(due);
+            return true;
+        }
+        false
+    }
+
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Entry> {
+        let e = self.entries.remove(&id)?;
+        if let Some(due) = e.due {
+            self.schedule.remove(&(due, id));
+        }
+        if e.held.holder == Holder::Callback {
+            self.callbacks -= 1;
+        }
+        Some(e)
+    }
+}
+
+pub(crate) struct Registry {
+    state: Mutex<State>,
+    /// Wakes the extender when the schedule changed or the registry closed.
+    pub(crate) wake: Arc<Notify>,
+    /// Wakes shutdown when the callbacks or the owed releases changed.
+    changed: Notify,
+    pub(crate) backend: Arc<DynLockBackend>,
+    pub(crate) max_batch: usize,
+    pub(crate) cleanup: Arc<Cleanup>,
+}
+
+impl Registry {
+    pub(crate) fn new(backend: Arc<DynLockBackend>) -> Self {
+        let max_batch = backend.capabilities().max_extend_batch.max(1);
+        Self {
+            state: Mutex::default(),
+            wake: Arc::new(Notify::new()),
+            changed: Notify::new(),
+            cleanup: Arc::new(Cleanup::new(Arc::clone(&backend))),
+            backend,
+            max_batch,
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records a lock just taken. Returns `None` once shutdown began: the
+    /// caller must then release it itself.
+    pub(crate) fn insert(self: &Arc<Self>, held: Arc<HeldLock>) -> Option<u64> {
+        let mut s = self.lock();
+        if s.no_new {
+            return None;
+        }
+        if let Ok(runtime) = Handle::try_current() {
+            s.runtime = Some(runtime);
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        let holder = held.holder;
+        let first_due = held.extension_due();
+        s.entries.insert(
+            id,
+            Entry {
+                backoff: crate::extender::first_backoff(held.ttl),
+                held,
+                due: None,
+                last_error: None,
+            },
+        );
+        if holder == Holder::Callback {
+            s.callbacks += 1;
+            let wake = s.schedule(id, first_due);
+            if !s.extender_running {
+                s.extender_running = true;
+                drop(s);
+                crate::extender::start(self);
+            } else if wake {
+                self.wake.notify_one();
+            }
+        }
+        Some(id)
+    }
+
+    /// Takes a lock out that was lost: no release is owed for it.
+    pub(crate) fn forget(&self, id: u64) -> Option<Arc<HeldLock>> {
+        let e = self.lock().remove(id)?;
+        self.changed.notify_waiters();
+        Some(e.held)
+    }
+
+    /// Takes a lock out to release it. `None` if it was already taken out
+    /// (lost, or released by shutdown). The release is owed until the
+    /// returned value is sent and answered, or dropped.
+    pub(crate) fn take_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
+        let mut s = self.lock();
+        let e = s.remove(id)?;
+        s.owed += 1;
+        drop(s);
+        self.changed.notify_waiters();
+        Some(OwedRelease::new(Arc::clone(self), e.held.lease.clone()))
+    }
+
+    /// Owes the release of a lease that was never registered (taken after
+    /// shutdown began, or answered too late to use).
+    pub(crate) fn owe_release(self: &Arc<Self>, lease: Lease) -> OwedRelease {
+        self.lock().owed += 1;
+        OwedRelease::new(Arc::clone(self), lease)
+    }
+
+    /// Records that an owed release was answered (`ok`) or failed or was
+    /// given up.
+    pub(crate) fn release_settled(&self, ok: bool) {
+        let mut s = self.lock();
+        s.owed -= 1;
+        if !ok && s.no_new {
+            s.failed_while_closing += 1;
+        }
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// Wakes whoever waits in [`wait_until`](Self::wait_until), after a
+    /// change made through [`lock`](Self::lock).
+    pub(crate) fn notify_changed(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// How many locks are held, by callbacks and handles.
+    pub(crate) fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    /// Resolves once `done` holds for the registry's state.
+    pub(crate) async fn wait_until(&self, done: impl Fn(&State) -> bool) {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if done(&self.lock()) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Resolves once no callback holds a lock.
+    pub(crate) async fn callbacks_done(&self) {
+        self.wait_until(|s| s.callbacks == 0).await;
+    }
+
+    /// Resolves once every owed release was answered or given up.
+    pub(crate) async fn releases_done(&self) {
+        self.wait_until(|s| s.owed == 0).await;
+    }
+
+    /// How many releases are owed now, and how many failed since shutdown
+    /// began.
+    pub(crate) fn release_counts(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.owed, s.failed_while_closing)
+    }
+
+    /// Refuses new locks from now on; held ones are still extended.
+    pub(crate) fn close_to_new(&self) {
+        self.lock().no_new = true;
+    }
+
+    /// Takes out every lock still held, marks each lost with `cause`, and
+    /// returns their releases, owed from now on.
+    pub(crate) fn drain(self: &Arc<Self>, cause: &LossCause) -> Vec<OwedRelease> {
+        let mut s = self.lock();
+        s.no_new = true;
+        s.closed = true;
+        s.schedule.clear();
+        s.callbacks = 0;
+        let drained: Vec<Arc<HeldLock>> = s.entries.drain().map(|(_, e)| e.held).collect();
+        s.owed += drained.len();
+        drop(s);
+        self.changed.notify_waiters();
+        self.wake.notify_one();
+        drained
+            .into_iter()
+            .map(|held| {
+                held.mark_lost(cause.clone());
+                OwedRelease::new(Arc::clone(self), held.lease.clone())
+            })
+            .collect()
+    }
+
+    /// Runs `task` in the background: on the current runtime, else on the
+    /// one that last took a lock (a handle dropped outside any runtime).
+    /// Returns false when there is no runtime to run it on.
+    pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) -> bool {
+        let runtime = Handle::try_current()
+            .ok()
+            .or_else(|| self.lock().runtime.clone());
+        match runtime {
+            Some(runtime) => {
+                runtime.spawn(task);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        self.wake.notify_one();
+    }
+}

@@ -1,0 +1,202 @@
+//! Releases: the ones a locker owes for the locks it took, and the clean-up
+//! of keys that a failed attempt may have taken.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backend::{DynLockBackend, Lease, OwnerToken, ReleaseOutcome};
+use crate::error::BackendError;
+use crate::registry::Registry;
+
+/// A release this locker owes: counted by the registry from the moment the
+/// lock left it until the store answered, so that shutdown can wait for it.
+/// Dropping it unsent gives the release up (the key expires with its ttl).
+pub(crate) struct OwedRelease {
+    registry: Arc<Registry>,
+    lease: Lease,
+    settled: bool,
+}
+
+impl OwedRelease {
+    pub(crate) fn new(registry: Arc<Registry>, lease: Lease) -> Self {
+        Self {
+            registry,
+            lease,
+            settled: false,
+        }
+    }
+
+    /// Sends the release and waits for the store's answer.
+    pub(crate) async fn send(mut self) -> Result<ReleaseOutcome, BackendError> {
+        let answer = self.registry.backend.release(&self.lease).await;
+        match &answer {
+            Ok(outcome) => {
+                tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
+            }
+            Err(error) => {
+                tracing::debug!(key = %self.lease.key(), %error, "release failed; the key expires with its ttl");
+            }
+        }
+        self.settled = true;
+        self.registry.release_settled(answer.is_ok());
+        answer
+    }
+
+    /// Sends the release without waiting: it is polled once in place (an
+    /// in-memory backend finishes there), and if it needs more, it goes on in
+    /// a task of its own.
+    pub(crate) fn in_background(self) {
+        let registry = Arc::clone(&self.registry);
+        let mut release = Box::pin(async move {
+            let _ = self.send().await;
+        });
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if release.as_mut().poll(&mut cx).is_ready() {
+                return;
+            }
+        }
+        // Outside a runtime the release runs on the one that took the lock;
+        // with none left it is dropped, given up.
+        registry.spawn(release);
+    }
+}
+
+impl Drop for OwedRelease {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.registry.release_settled(false);
+        }
+    }
+}
+
+type Pending = HashMap<Arc<str>, Vec<(OwnerToken, Instant)>>;
+
+/// The keys that attempts which failed on an error may have taken: the
+/// request may have been applied, or may still be (a hung store runs it
+/// when it wakes up). One task per key releases them with their owner
+/// tokens, with backoff, until each frees its key or its ttl has passed, so
+/// a failing store costs one task per key, not one per attempt.
+pub(crate) struct Cleanup {
+    backend: Arc<DynLockBackend>,
+    pending: Mutex<Pending>,
+}
+
+/// The first pause between two clean-up rounds of a key; it doubles up to
+/// [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
+impl Cleanup {
+    pub(crate) fn new(backend: Arc<DynLockBackend>) -> Self {
+        Self {
+            backend,
+            pending: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Releases `key` for `owner` until `until`, in the key's one clean-up
+    /// task (started if the key has none).
+    pub(crate) fn add(
+        self: &Arc<Self>,
+        registry: &Registry,
+        key: &Arc<str>,
+        owner: OwnerToken,
+        until: Instant,
+    ) {
+        let mut pending = self.lock();
+        if let Some(tokens) = pending.get_mut(key) {
+            tokens.push((owner, until));
+            return;
+        }
+        pending.insert(Arc::clone(key), vec![(owner, until)]);
+        drop(pending);
+        let task = KeyCleanup {
+            cleanup: Arc::clone(self),
+            key: Arc::clone(key),
+            done: false,
+        };
+        if !registry.spawn(task.run()) {
+            self.lock().remove(key);
+        }
+    }
+
+    /// One last release of every pending token, for shutdown; then nothing
+    /// is pending any more.
+    pub(crate) async fn final_pass(&self) {
+        let pending = std::mem::take(&mut *self.lock());
+        let releases = pending.into_iter().flat_map(|(key, tokens)| {
+            tokens.into_iter().map(move |(owner, _)| {
+                let lease = Lease::new(Arc::clone(&key), owner, 0);
+                let backend = Arc::clone(&self.backend);
+                async move {
+                    let _ = backend.release(&lease).await;
+                }
+            })
+        });
+        futures_util::future::join_all(releases).await;
+    }
+}
+
+/// The clean-up task of one key. Dropped before its end (its runtime shut
+/// down), it takes the key out, so the next failed attempt starts a new task.
+struct KeyCleanup {
+    cleanup: Arc<Cleanup>,
+    key: Arc<str>,
+    done: bool,
+}
+
+impl KeyCleanup {
+    async fn run(mut self) {
+        self.clean().await;
+        self.done = true;
+    }
+
+    async fn clean(&self) {
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let now = Instant::now();
+            let tokens: Vec<(OwnerToken, Instant)> = {
+                let mut pending = self.cleanup.lock();
+                let Some(tokens) = pending.get_mut(&self.key) else {
+                    return; // shutdown's final pass took them
+                };
+                tokens.retain(|(_, until)| *until > now);
+                if tokens.is_empty() {
+                    pending.remove(&self.key);
+                    return;
+                }
+                tokens.clone()
+            };
+            for (owner, until) in tokens {
+                let lease = Lease::new(Arc::clone(&self.key), owner, 0);
+                let remaining = until.saturating_duration_since(Instant::now());
+                let release = tokio::time::timeout(remaining, self.cleanup.backend.release(&lease));
+                if matches!(release.await, Ok(Ok(ReleaseOutcome::Released))) {
+                    tracing::debug!(key = %self.key, "released a key taken by a failed attempt");
+                    if let Some(tokens) = self.cleanup.lock().get_mut(&self.key) {
+                        tokens.retain(|(o, _)| o != lease.owner());
+                    }
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_PAUSE);
+        }
+    }
+}
+
+impl Drop for KeyCleanup {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cleanup.lock().remove(&self.key);
+        }
+    }
+}

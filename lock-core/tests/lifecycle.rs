@@ -1,0 +1,233 @@
+//! The driver's lifecycle: a locker that outlives the runtime that started
+//! its extender, handles dropped outside any runtime, and the clean-up of
+//! failed attempts (one task per key, none for requests never sent).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{
+    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
+    ExtendRequest, Lease, LockBackend, LockConfig, Locker, OwnerToken, ReleaseOutcome,
+    ReleaseWatch,
+};
+use lock_memory::MemoryBackend;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn a_locker_outliving_its_first_runtime_still_extends() {
+    let backend = MemoryBackend::new();
+    let locker = Locker::new(backend.clone());
+    let cfg = LockConfig::default().ttl(Duration::from_millis(300));
+    // The first runtime starts the extender, then goes away with it.
+    runtime().block_on(async {
+        locker
+            .with_lock_config("job", &cfg, |_| async {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            })
+            .await
+            .unwrap();
+    });
+    // A second runtime: a callback running for three ttls must be extended.
+    runtime().block_on(async {
+        let got = locker
+            .with_lock_config("job", &cfg, |ctx| async move {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                ctx.is_lost()
+            })
+            .await;
+        assert!(!got.unwrap(), "the lock was extended and never lost");
+    });
+    assert_eq!(backend.held_keys(), 0);
+}
+
+#[test]
+fn a_handle_dropped_outside_any_runtime_does_not_panic_and_is_released() {
+    let backend = MemoryBackend::new();
+    let locker = Locker::new(backend.clone());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let handle = rt.block_on(async {
+        let mut h = locker.handle("k", Duration::from_secs(30)).unwrap();
+        assert!(h.acquire().await.unwrap());
+        h
+    });
+    assert_eq!(backend.held_keys(), 1);
+    // No runtime on this thread: the release runs on the locker's runtime.
+    drop(handle);
+    rt.block_on(async {
+        for _ in 0..100 {
+            if backend.held_keys() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    assert_eq!(
+        backend.held_keys(),
+        0,
+        "the dropped handle's key was released"
+    );
+    drop(rt);
+
+    // With its runtime gone too, a drop still does not panic.
+    let rt = runtime();
+    let handle = rt.block_on(async {
+        let mut h = locker.handle("k2", Duration::from_secs(30)).unwrap();
+        assert!(h.acquire().await.unwrap());
+        h
+    });
+    drop(rt);
+    drop(handle);
+}
+
+/// Fails every acquisition with `kind` after applying it (when the kind
+/// says the request was sent), and hangs every release, counting them.
+#[derive(Debug)]
+struct Failing {
+    inner: MemoryBackend,
+    kind: BackendErrorKind,
+    releases: AtomicU64,
+    hang_releases: AtomicBool,
+}
+
+#[async_trait]
+impl LockBackend for Failing {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        if self.kind != BackendErrorKind::Unavailable {
+            let _ = self.inner.try_acquire(key, owner, ttl).await;
+        }
+        Err(BackendError::message(self.kind, "failing on purpose"))
+    }
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        self.inner.extend(lease, ttl).await
+    }
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        self.inner.extend_many(requests).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        if self.hang_releases.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.release(lease).await
+    }
+    async fn watch_release(&self, _key: &str) -> Result<ReleaseWatch, BackendError> {
+        Ok(ReleaseWatch::never())
+    }
+}
+
+fn failing(kind: BackendErrorKind, hang: bool) -> Arc<Failing> {
+    Arc::new(Failing {
+        inner: MemoryBackend::new(),
+        kind,
+        releases: AtomicU64::new(0),
+        hang_releases: AtomicBool::new(hang),
+    })
+}
+
+#[tokio::test]
+async fn failed_attempts_are_cleaned_up_by_one_task_per_key() {
+    let backend = failing(BackendErrorKind::Timeout, true);
+    let locker = Locker::new(Arc::clone(&backend));
+    let cfg = LockConfig::default()
+        .ttl(Duration::from_secs(30))
+        .retry_attempts(20)
+        .retry_delay(Duration::from_millis(5))
+        .retry_jitter(Duration::ZERO);
+    let got = locker.with_lock_config("k", &cfg, |_| async {}).await;
+    assert!(got.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Twenty-one failed attempts, each of which may have taken the key; the
+    // releases hang, so each clean-up task is stuck in its first one.
+    assert_eq!(
+        backend.releases.load(Ordering::SeqCst),
+        1,
+        "one clean-up task for the key, not one per attempt"
+    );
+}
+
+#[tokio::test]
+async fn failed_attempts_whose_request_was_never_sent_need_no_clean_up() {
+    let backend = failing(BackendErrorKind::Unavailable, false);
+    let locker = Locker::new(Arc::clone(&backend));
+    let cfg = LockConfig::default()
+        .retry_attempts(5)
+        .retry_delay(Duration::from_millis(5));
+    let got = locker.with_lock_config("k", &cfg, |_| async {}).await;
+    assert!(got.unwrap_err().is_not_acquired());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(backend.releases.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn failed_attempts_are_released_once_the_store_answers() {
+    let backend = failing(BackendErrorKind::Request, false);
+    let locker = Locker::new(Arc::clone(&backend));
+    let got = locker
+        .with_lock_config("k", &LockConfig::default().retry_attempts(0), |_| async {})
+        .await;
+    assert!(got.is_err());
+    for _ in 0..100 {
+        if backend.inner.held_keys() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        backend.inner.held_keys(),
+        0,
+        "the key the attempt took was freed"
+    );
+}
+
+#[tokio::test]
+async fn a_reentrant_call_races_the_loss_of_the_outer_lock() {
+    let backend = lock_conformance::FaultInjector::new(MemoryBackend::new());
+    let locker = Locker::new(backend.clone());
+    let cfg = LockConfig::default().ttl(Duration::from_millis(300));
+    let (inner_tx, inner_rx) = tokio::sync::oneshot::channel();
+    let (l, b) = (locker.clone(), backend.clone());
+    let outer = locker
+        .with_lock_config("k", &cfg, move |_| async move {
+            b.look_stolen("k", true);
+            let inner = l.with_lock("k", |_| std::future::pending::<()>()).await;
+            let _ = inner_tx.send(inner);
+        })
+        .await;
+    assert!(outer.unwrap_err().is_lost());
+    let inner = tokio::time::timeout(Duration::from_secs(5), inner_rx)
+        .await
+        .expect("the reentrant call settles on the loss")
+        .unwrap();
+    assert!(
+        matches!(
+            inner,
+            Err(lock_core::LockError::Lost {
+                cause: lock_core::LossCause::Taken,
+                ..
+            })
+        ),
+        "got {inner:?}"
+    );
+}
