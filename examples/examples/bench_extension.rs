@@ -25,8 +25,9 @@ use std::error::Error;
 use std::time::{Duration, Instant};
 
 use lock_conformance::{CountingBackend, Step};
-use lock_core::{LockBackend, LockConfig, Locker};
+use lock_memory::lock_core::LockBackend;
 use lock_memory::MemoryBackend;
+use lock_memory::{LockConfig, Locker};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 

@@ -25,8 +25,8 @@ use std::hint::black_box;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use lock_core::{LockConfig, LockError, Locker};
 use lock_memory::MemoryBackend;
+use lock_memory::{LockConfig, LockError, Locker};
 
 const KEY: &str = "bench:p6";
 const WARMUP: u32 = 20_000;

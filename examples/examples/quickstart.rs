@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_core::{
+use lock_memory::lock_core::{
     async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
     LockBackend, LockConfig, LockError, Locker, LockerOptions, LossCause, OwnerToken,
     ReleaseOutcome, ReleaseWatch,

@@ -19,8 +19,8 @@ use std::error::Error;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use lock_core::{LockConfig, LockError, Locker, LockerOptions};
 use lock_memory::MemoryBackend;
+use lock_memory::{LockConfig, LockError, Locker, LockerOptions};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {

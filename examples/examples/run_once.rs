@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use lock_core::{LockError, Locker, LockerOptions};
 use lock_memory::MemoryBackend;
+use lock_memory::{LockError, Locker, LockerOptions};
 use tokio::task::JoinSet;
 
 /// How long one rebuild takes.

@@ -14,8 +14,8 @@
 use std::error::Error;
 use std::time::{Duration, Instant};
 
-use lock_core::{LockConfig, Locker, LockerOptions};
 use lock_memory::MemoryBackend;
+use lock_memory::{LockConfig, Locker, LockerOptions};
 use tokio::sync::oneshot;
 
 const KEY: &str = "nightly:import";

@@ -5,11 +5,11 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use lock_core::{LockConfig, Locker};
+//! use lock_memory::{LockConfig, Locker};
 //! use lock_memory::MemoryBackend;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_core::LockError> {
+//! # async fn main() -> Result<(), lock_memory::LockError> {
 //! let backend = MemoryBackend::new();
 //! // Two lockers on one backend are two nodes.
 //! let (a, b) = (Locker::new(backend.clone()), Locker::new(backend.clone()));
@@ -20,14 +20,25 @@
 //! ```
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, LockBackend,
+    OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
 };
 use tokio::time::Instant;
+
+/// The core crate, for wrappers and backend authors.
+pub use lock_core;
+/// Everything a user of this backend needs from `lock-core`, re-exported so
+/// that this one dependency is enough and the versions always match.
+pub use lock_core::{
+    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
+    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+};
+#[allow(deprecated)]
+pub use lock_core::{Mutex, MutexConfig};
 
 /// A lock backend in this process's memory, with release notifications.
 ///
@@ -41,7 +52,7 @@ pub struct MemoryBackend {
 
 #[derive(Default)]
 struct Inner {
-    state: Mutex<State>,
+    state: std::sync::Mutex<State>,
     hub: ReleaseHub,
 }
 
