@@ -10,13 +10,15 @@ use lock_core::{
     ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
     MAX_KEY_LEN,
 };
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::Row;
+use sqlx::{Postgres, Row};
+use tokio::sync::OnceCell;
 
 use crate::config::PostgresConfig;
-use crate::error::{step_error, step_timeout, PostgresError};
+use crate::error::{checkout_error, step_error, step_timeout, PostgresError};
 use crate::listener::Listener;
-use crate::sql::{Statements, EXPIRED, EXTENDED, MIGRATIONS, TAKEN};
+use crate::sql::{Statements, EXPIRED, EXTENDED, MIGRATIONS, SEQUENCE_TYPE, TAKEN};
 
 /// How many leases one [`LockBackend::extend_many`] call carries: one
 /// statement with three arrays of this length.
@@ -39,6 +41,18 @@ struct Inner {
     sql: Statements,
     hub: ReleaseHub,
     listener: Option<Listener>,
+    /// Set once the table's `sequence` column was found to be `bigint`;
+    /// see [`PostgresBackend::check_sequence_column`].
+    sequence_checked: OnceCell<()>,
+}
+
+/// Why the `sequence` column check did not pass.
+enum Unchecked {
+    /// No such table or column (yet): the statement itself will say so in
+    /// the database's words, and the next acquisition checks again.
+    Missing,
+    /// The check failed or refused the table.
+    Failed(BackendError),
 }
 
 impl PostgresBackend {
@@ -70,6 +84,7 @@ impl PostgresBackend {
                 sql,
                 hub,
                 listener,
+                sequence_checked: OnceCell::new(),
             }),
         })
     }
@@ -139,6 +154,10 @@ impl PostgresBackend {
     /// on the table name keeps two nodes from migrating at once. The schema
     /// must exist. Idempotent: run it at every start if you like.
     ///
+    /// An existing table is left as it is. One whose `sequence` column is
+    /// narrower than `bigint` is refused at the first acquisition, with
+    /// [`PostgresError::NarrowSequence`], before anything is locked.
+    ///
     /// # Errors
     ///
     /// [`PostgresError::Migrate`] naming the file; nothing is changed then.
@@ -169,16 +188,64 @@ impl PostgresBackend {
         Ok(())
     }
 
-    /// Runs one step within the statement timeout.
-    async fn step<T>(
-        &self,
-        name: &'static str,
-        fut: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, BackendError> {
+    /// Runs one step within the statement timeout: takes a connection from
+    /// the pool, then runs `statement` on it. Taking the connection first
+    /// tells a failed checkout (kind `Unavailable`: nothing was sent) from
+    /// a failed statement, which may have been applied.
+    async fn step<T, F, Fut>(&self, name: &'static str, statement: F) -> Result<T, BackendError>
+    where
+        F: FnOnce(PoolConnection<Postgres>) -> Fut,
+        Fut: Future<Output = Result<T, sqlx::Error>>,
+    {
         let after = self.inner.config.statement_timeout;
-        match tokio::time::timeout(after, fut).await {
-            Ok(result) => result.map_err(step_error),
+        let work = async {
+            let conn = self.inner.pool.acquire().await.map_err(checkout_error)?;
+            statement(conn).await.map_err(step_error)
+        };
+        match tokio::time::timeout(after, work).await {
+            Ok(result) => result,
             Err(_) => Err(step_timeout(name, after)),
+        }
+    }
+
+    /// Refuses a table whose `sequence` column cannot hold the fencing
+    /// tokens (microsecond clock values need `bigint`), before anything is
+    /// locked: an `integer` column would take the row and then fail to
+    /// store or return the token. Checked once per backend; a refusal or a
+    /// failure is not remembered, so the next acquisition checks again (an
+    /// `ALTER TABLE` takes effect without a restart).
+    async fn check_sequence_column(&self) -> Result<(), BackendError> {
+        let checked = self
+            .inner
+            .sequence_checked
+            .get_or_try_init(|| async {
+                let config = &self.inner.config;
+                let found: Option<String> = self
+                    .step("try_acquire", |mut conn| async move {
+                        sqlx::query_scalar(SEQUENCE_TYPE)
+                            .bind(&config.schema)
+                            .bind(&config.table)
+                            .fetch_optional(&mut *conn)
+                            .await
+                    })
+                    .await
+                    .map_err(Unchecked::Failed)?;
+                match found {
+                    Some(found) if found == "bigint" => Ok(()),
+                    Some(found) => Err(Unchecked::Failed(BackendError::new(
+                        BackendErrorKind::Protocol,
+                        PostgresError::NarrowSequence {
+                            table: self.inner.table.clone(),
+                            found,
+                        },
+                    ))),
+                    None => Err(Unchecked::Missing),
+                }
+            })
+            .await;
+        match checked {
+            Ok(()) | Err(Unchecked::Missing) => Ok(()),
+            Err(Unchecked::Failed(error)) => Err(error),
         }
     }
 }
@@ -237,21 +304,29 @@ impl LockBackend for PostgresBackend {
             .with_max_extend_batch(MAX_EXTEND_BATCH)
     }
 
+    /// One statement: creates the row or takes it over if free or expired,
+    /// with `sequence = max(sequence + 1, database clock in µs)` as the
+    /// fencing token, so tokens keep increasing when the row was deleted.
+    /// The first call of a backend checks first that `sequence` is
+    /// `bigint` ([`PostgresError::NarrowSequence`], nothing taken). Fails
+    /// with kind [`Unavailable`](BackendErrorKind::Unavailable) when no
+    /// pooled connection could be had: nothing was sent.
     async fn try_acquire(
         &self,
         key: &str,
         owner: &OwnerToken,
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
+        self.check_sequence_column().await?;
         let sequence = self
-            .step(
-                "try_acquire",
+            .step("try_acquire", |mut conn| async move {
                 sqlx::query_scalar::<_, i64>(&self.inner.sql.acquire)
                     .bind(key)
                     .bind(owner.as_str())
                     .bind(micros(ttl))
-                    .fetch_optional(&self.inner.pool),
-            )
+                    .fetch_optional(&mut *conn)
+                    .await
+            })
             .await?;
         match sequence {
             None => Ok(AcquireOutcome::Busy),
@@ -284,14 +359,14 @@ impl LockBackend for PostgresBackend {
         let owners: Vec<&str> = requests.iter().map(|r| r.lease.owner().as_str()).collect();
         let ttls: Vec<i64> = requests.iter().map(|r| micros(r.ttl)).collect();
         let rows = self
-            .step(
-                "extend",
+            .step("extend", |mut conn| async move {
                 sqlx::query_as::<_, (i64, i32)>(&self.inner.sql.extend)
                     .bind(&keys)
                     .bind(&owners)
                     .bind(&ttls)
-                    .fetch_all(&self.inner.pool),
-            )
+                    .fetch_all(&mut *conn)
+                    .await
+            })
             .await?;
         if rows.len() != requests.len() {
             return Err(protocol(format!(
@@ -325,7 +400,9 @@ impl LockBackend for PostgresBackend {
             query = query.bind(&self.inner.config.channel);
         }
         let row = self
-            .step("release", query.fetch_optional(&self.inner.pool))
+            .step("release", |mut conn| async move {
+                query.fetch_optional(&mut *conn).await
+            })
             .await?;
         // A row whose locked_by was still ours but whose time had run out
         // is cleared too, yet counts as not held: the lease had ended.

@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use lock_core::{BackendError, BackendErrorKind};
 
-/// What can go wrong while making a [`PostgresBackend`](crate::PostgresBackend)
-/// or running its migration. Never shows a connection URL or password.
+/// What can go wrong while making a [`PostgresBackend`](crate::PostgresBackend),
+/// running its migration, or with its table. Never shows a connection URL
+/// or password.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PostgresError {
@@ -30,23 +31,45 @@ pub enum PostgresError {
         #[source]
         source: sqlx::Error,
     },
+    /// The lock table's `sequence` column is narrower than `bigint` (Ruby
+    /// Locker's own test schema has `integer`), so it cannot hold fencing
+    /// tokens, which are database clock values in microseconds. Found by a
+    /// check before the first acquisition, which takes nothing; it is the
+    /// source of that acquisition's [`BackendError`] (kind `Protocol`).
+    #[error(
+        "the column \"sequence\" of the lock table {table} is {found}, too narrow for \
+         fencing tokens (microsecond clock values); nothing was locked. Widen it with: \
+         ALTER TABLE {table} ALTER COLUMN sequence TYPE bigint"
+    )]
+    NarrowSequence {
+        /// The quoted, schema-qualified table name.
+        table: String,
+        /// The column's type, as PostgreSQL names it (`integer`, …).
+        found: String,
+    },
 }
 
 /// Maps a sqlx error of a lock step to a [`BackendError`], keeping it as the
-/// source. Timeouts (the pool's, or the server's `statement_timeout` /
-/// `lock_timeout`, SQLSTATE 57014 / 55P03) get kind `Timeout`.
+/// source. The pool's own errors (`PoolTimedOut`, `PoolClosed`) get kind
+/// `Unavailable`: without a connection no statement was sent. The server's
+/// timeouts (`statement_timeout` / `lock_timeout`, SQLSTATE 57014 / 55P03)
+/// get kind `Timeout`; anything else, `Request`.
 pub(crate) fn step_error(error: sqlx::Error) -> BackendError {
-    let timeout = match &error {
-        sqlx::Error::PoolTimedOut => true,
-        sqlx::Error::Database(db) => matches!(db.code().as_deref(), Some("57014" | "55P03")),
-        _ => false,
-    };
-    let kind = if timeout {
-        BackendErrorKind::Timeout
-    } else {
-        BackendErrorKind::Request
+    let kind = match &error {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => BackendErrorKind::Unavailable,
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("57014" | "55P03")) => {
+            BackendErrorKind::Timeout
+        }
+        _ => BackendErrorKind::Request,
     };
     BackendError::new(kind, error)
+}
+
+/// Maps the error of taking a connection from the pool (its timeout, a
+/// closed pool, a refused or failed connect) to kind `Unavailable`: the
+/// step's statement was never sent, so it changed nothing.
+pub(crate) fn checkout_error(error: sqlx::Error) -> BackendError {
+    BackendError::unavailable(error)
 }
 
 /// A step that did not answer within the configured statement timeout.

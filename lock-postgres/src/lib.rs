@@ -38,7 +38,7 @@
 //! | `locked_by` | `text` null | the owner token (`<node id>/<32 hex>`), `NULL` when free |
 //! | `locked_at` | `timestamp` (UTC) | when the current holder took it |
 //! | `locked_until` | `timestamp` (UTC) | when it expires unless extended |
-//! | `sequence` | `bigint` | the fencing token: +1 at every acquisition, kept across releases |
+//! | `sequence` | `bigint` | the fencing token: `max(sequence + 1, database clock in µs)` at every acquisition, so a deleted row never restarts it; a narrower column is refused before anything is taken |
 //!
 //! Every step is one autocommit statement:
 //! - acquire: `INSERT … ON CONFLICT (key) DO UPDATE … WHERE locked_by IS NULL
@@ -109,7 +109,8 @@
 //!
 //! Keys up to [`lock_core::MAX_KEY_LEN`] (1024) bytes; a step that fails
 //! gives a [`lock_core::BackendError`] whose source is the sqlx error
-//! (kind `Timeout` for the pool's, the server's or the step's timeout).
+//! (kind `Unavailable` when no pool connection could be had, so nothing was
+//! sent; `Timeout` for the server's or the step's timeout).
 //!
 //! # Testing
 //!
@@ -117,6 +118,7 @@
 //! PostgreSQL servers of a test's own (or in Docker, with the
 //! `testcontainers` feature).
 
+mod admin;
 mod backend;
 mod config;
 mod error;
@@ -124,9 +126,21 @@ mod listener;
 mod sql;
 pub mod testing;
 
+pub use admin::LockInfo;
 pub use backend::{PostgresBackend, MAX_EXTEND_BATCH};
 pub use config::{quote_identifier, PostgresConfig, MAX_IDENTIFIER_LEN};
 pub use error::PostgresError;
 
 /// Re-exported so that users build their pool with the same sqlx version.
 pub use sqlx;
+
+/// The core crate, for wrappers and backend authors.
+pub use lock_core;
+/// Everything a user of this backend needs from `lock-core`, re-exported so
+/// that this one dependency is enough and the versions always match.
+pub use lock_core::{
+    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
+    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+};
+#[allow(deprecated)]
+pub use lock_core::{Mutex, MutexConfig};

@@ -5,8 +5,23 @@
 //! writes it. The client sends only the key, the owner token and the ttl as
 //! a number of microseconds, never a timestamp.
 
-/// The database's current time, as Ruby Locker stores it.
-const NOW: &str = "WITH now AS (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t)";
+/// The database's current time, read once: `t` as Ruby Locker stores it,
+/// and `us`, the same instant in microseconds since the Unix epoch, the
+/// clock term of the fencing token. (`extract` of a timestamp without time
+/// zone counts from 1970-01-01 00:00 in that timestamp's own zone, here
+/// UTC, so `us` is Unix time whatever the session's time zone.)
+const NOW: &str = "WITH now AS (SELECT t, (extract(epoch FROM t) * 1000000)::bigint AS us \
+                   FROM (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t) AS c)";
+
+/// `$1` schema, `$2` table: the type of the table's `sequence` column
+/// (`bigint`, `integer`, …), no row when the table or the column does not
+/// exist.
+pub(crate) const SEQUENCE_TYPE: &str = "SELECT format_type(a.atttypid, a.atttypmod) \
+     FROM pg_attribute AS a \
+     JOIN pg_class AS c ON c.oid = a.attrelid \
+     JOIN pg_namespace AS n ON n.oid = c.relnamespace \
+     WHERE n.nspname = $1 AND c.relname = $2 AND a.attname = 'sequence' \
+       AND a.attnum > 0 AND NOT a.attisdropped";
 
 /// The migrations shipped in `migrations/`, in order, with `{{table}}`
 /// standing for the quoted, schema-qualified table name.
@@ -18,8 +33,8 @@ pub(crate) const MIGRATIONS: &[(&str, &str)] = &[(
 /// The statements for one table, built once per backend.
 #[derive(Clone, Debug)]
 pub(crate) struct Statements {
-    /// `$1` key, `$2` owner, `$3` ttl in µs. Returns `sequence` when taken,
-    /// no row when busy.
+    /// `$1` key, `$2` owner, `$3` ttl in µs. Returns `sequence`, the
+    /// fencing token, when taken, no row when busy.
     pub(crate) acquire: String,
     /// `$1` keys, `$2` owners, `$3` ttls in µs (arrays of equal length).
     /// Returns `(ord, outcome)` per request in order: 0 extended, 1 expired
@@ -39,16 +54,27 @@ pub(crate) const TAKEN: i32 = 2;
 impl Statements {
     pub(crate) fn new(table: &str, notify: bool) -> Self {
         // A row is free when nobody holds it or its holder's time ran out
-        // (Ruby Locker's `locked_until < now`).
+        // (Ruby Locker's `locked_until < now`). The token is
+        // max(sequence + 1, database clock in µs): `+ 1` keeps it strictly
+        // increasing within a microsecond, under a clock that steps back and
+        // beside Ruby Locker's own `sequence + 1`; the clock keeps it
+        // increasing when the row was deleted (Ruby Locker's `prune`), as a
+        // new row starts at the clock (`excluded.sequence`). A column
+        // narrower than bigint is refused before this statement runs; should
+        // it be narrowed later, the clock value overflows it and the
+        // statement fails whole, taking nothing, and the cast in RETURNING
+        // keeps the answer's type fixed.
         let acquire = format!(
             "{NOW} \
              INSERT INTO {table} AS l (key, locked_by, locked_at, locked_until, sequence) \
-             SELECT $1, $2, now.t, now.t + $3::bigint * interval '1 microsecond', 1 FROM now \
+             SELECT $1, $2, now.t, now.t + $3::bigint * interval '1 microsecond', now.us \
+             FROM now \
              ON CONFLICT (key) DO UPDATE \
              SET locked_by = excluded.locked_by, locked_at = excluded.locked_at, \
-                 locked_until = excluded.locked_until, sequence = l.sequence + 1 \
+                 locked_until = excluded.locked_until, \
+                 sequence = GREATEST(l.sequence + 1, excluded.sequence) \
              WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
-             RETURNING l.sequence"
+             RETURNING l.sequence::bigint"
         );
         // The update touches only rows still held by the lease; the outer
         // select tells an expired or missing row from another owner's.

@@ -150,8 +150,10 @@ impl RedisBackend {
     }
 
     /// The Redis key of the fencing counter of `key`, in the same Redis
-    /// Cluster hash slot as [`lock_key`](Self::lock_key). It never expires:
-    /// one small integer key per lock key ever used.
+    /// Cluster hash slot as [`lock_key`](Self::lock_key): it holds the last
+    /// fencing token drawn for `key`. It never expires: one small integer
+    /// key per lock key ever used. Losing it does not make tokens go back,
+    /// as each token is at least the server clock in microseconds.
     pub fn fence_key(&self, key: &str) -> String {
         fence_key(&self.lock_key(key))
     }
@@ -188,15 +190,14 @@ impl RedisBackend {
         answer
     }
 
-    /// The shared connection, taken from the pool if there is none.
+    /// The shared connection, taken from the pool if there is none. A
+    /// failed checkout is [`Unavailable`](BackendErrorKind::Unavailable):
+    /// the step's request was not sent.
     async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
         if let Some(conn) = self.shared_slot().as_ref() {
             return Ok(conn.clone());
         }
-        let pooled = self.inner.pool.get().await.map_err(|e| match e {
-            PoolError::Backend(e) => map_redis_error(e),
-            other => BackendError::request(other),
-        })?;
+        let pooled = self.inner.pool.get().await.map_err(checkout_error)?;
         let conn = deadpool_redis::Connection::take(pooled);
         *self.shared_slot() = Some(conn.clone());
         Ok(conn)
@@ -247,6 +248,17 @@ impl RedisBackend {
             call.invoke_async(&mut conn).await.map_err(map_redis_error)
         })
         .await
+    }
+}
+
+/// A failed pool checkout (a refused connection, a failed handshake, a
+/// pool timeout): the step's request was never written, so it changed
+/// nothing in the store and the driver need not clean up after it. The
+/// Redis error, when there is one, is the source.
+fn checkout_error(error: PoolError) -> BackendError {
+    match error {
+        PoolError::Backend(e) => BackendError::unavailable(e),
+        other => BackendError::unavailable(other),
     }
 }
 
@@ -311,8 +323,11 @@ impl LockBackend for RedisBackend {
             .with_max_extend_batch(self.inner.config.max_extend_batch)
     }
 
-    /// `SET key token NX PX ttl`, and if it took the key, `INCR` of the
-    /// fencing companion, in one script.
+    /// `SET key token NX PX ttl`, and if it took the key, the fencing token
+    /// `max(companion + 1, server clock in µs)` stored in the companion, in
+    /// one script: tokens keep increasing when the companion is lost.
+    /// Fails with kind [`Unavailable`](BackendErrorKind::Unavailable) when
+    /// no connection could be had: nothing was sent.
     ///
     /// # Cancel safety
     ///

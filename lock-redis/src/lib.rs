@@ -65,8 +65,8 @@
 //! Each step is one Lua script, in `lua/` in this crate, run by `EVALSHA`
 //! and loaded again after `NOSCRIPT` (a restarted server, `SCRIPT FLUSH`):
 //!
-//! - acquire: `SET key token NX PX ttl`; if that took the key, `INCR` of the
-//!   counter, whose new value is the fencing token;
+//! - acquire: `SET key token NX PX ttl`; if that took the key, the fencing
+//!   token `max(counter + 1, TIME in µs)` is drawn and stored in the counter;
 //! - extend: `PEXPIRE key ttl` only if `GET key` is the token (a missing key
 //!   is *expired*, another value *taken*); never re-creates the key;
 //! - release: `DEL key` only if `GET key` is the token, then `PUBLISH` of the
@@ -78,9 +78,11 @@
 //!
 //! ## The fencing counter
 //!
-//! One small integer key per lock key ever used, which never expires: it
-//! must outlive the lock for tokens to keep increasing. Delete counters only
-//! for keys that will never be locked again. Its name,
+//! One small integer key per lock key ever used, which never expires. Since
+//! each token is at least the server's clock in microseconds, losing the
+//! counter (an empty restart, a flush, eviction, a failover, a deletion)
+//! never makes tokens go back, as long as the server's clock does not step
+//! back by more than the counter's lead over it. Its name,
 //! `{T}:withlock-fence:<redis key>`, puts it in the lock key's Redis Cluster
 //! hash slot whatever braces the key has ([`slot::fence_key`]): `T` is the
 //! key's hash tag if it has one, else the whole key if it has no `}`, else
@@ -125,13 +127,26 @@
 //! |---|---|
 //! | `testcontainers` | [`testing`] can start Redis in Docker when no `redis-server` can be started |
 
+mod admin;
 mod backend;
 mod config;
 pub mod slot;
 mod subscription;
 pub mod testing;
 
+pub use admin::LockInfo;
 pub use backend::{RedisBackend, CHANNEL};
 pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
 pub use redis;
+
+/// The core crate, for wrappers and backend authors.
+pub use lock_core;
+/// Everything a user of this backend needs from `lock-core`, re-exported so
+/// that this one dependency is enough and the versions always match.
+pub use lock_core::{
+    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
+    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+};
+#[allow(deprecated)]
+pub use lock_core::{Mutex, MutexConfig};

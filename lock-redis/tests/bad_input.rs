@@ -46,11 +46,11 @@ async fn odd_keys_are_stored_exactly_and_long_keys_are_refused() {
     let mut conn = raw(&url).await;
     for key in &keys {
         let (k, u) = (key.clone(), url.clone());
-        let seen = a
-            .with_lock(key, move |_| async move {
+        let (seen, token) = a
+            .with_lock(key, move |ctx| async move {
                 let mut conn = raw(&u).await;
                 let value: Option<String> = conn.get(&k).await.unwrap();
-                value
+                (value, ctx.fencing_token())
             })
             .await
             .unwrap_or_else(|e| panic!("key {key:?}: {e}"));
@@ -62,7 +62,7 @@ async fn odd_keys_are_stored_exactly_and_long_keys_are_refused() {
         assert!(!exists, "key {key:?} released");
         let fence = backend.fence_key(key);
         let counter: Option<u64> = conn.get(&fence).await.unwrap();
-        assert_eq!(counter, Some(1), "companion {fence:?} of {key:?}");
+        assert_eq!(counter, Some(token), "companion {fence:?} of {key:?}");
         assert_eq!(
             lock_redis::slot::key_slot(&fence),
             lock_redis::slot::key_slot(key)
