@@ -114,9 +114,10 @@
 //!
 //! # Testing
 //!
-//! [`testing`] makes a schema per test, drops it afterwards, and starts
-//! PostgreSQL servers of a test's own (or in Docker, with the
-//! `testcontainers` feature).
+//! The `testing` module, behind the `testing` feature (for tests, never
+//! needed in a service), makes a schema per test, drops it afterwards, and
+//! starts PostgreSQL servers of a test's own (or in Docker, with the
+//! `testcontainers` feature, which turns `testing` on).
 
 mod admin;
 mod backend;
@@ -124,6 +125,7 @@ mod config;
 mod error;
 mod listener;
 mod sql;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use admin::LockInfo;

@@ -125,13 +125,15 @@
 //!
 //! | feature | what |
 //! |---|---|
-//! | `testcontainers` | [`testing`] can start Redis in Docker when no `redis-server` can be started |
+//! | `testing` | the `testing` module: a `redis-server` of a test's own to kill, restart, pause and cut, and key namespaces that clean up after themselves; for tests, never needed in a service |
+//! | `testcontainers` | `testing`, and it can start Redis in Docker when no `redis-server` can be started |
 
 mod admin;
 mod backend;
 mod config;
 pub mod slot;
 mod subscription;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use admin::LockInfo;

@@ -1,0 +1,110 @@
+//! Exit codes, and the one-line failure a command ends with.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+/// Bad arguments; nothing was touched (`EX_USAGE`).
+pub(crate) const USAGE: u8 = 64;
+/// The backend could not be reached or failed; the command did not run
+/// (`EX_UNAVAILABLE`).
+pub(crate) const UNAVAILABLE: u8 = 69;
+/// A bug or an unexpected local failure (`EX_SOFTWARE`).
+pub(crate) const SOFTWARE: u8 = 70;
+/// The lock was busy; the command did not run (`EX_TEMPFAIL`).
+pub(crate) const BUSY: u8 = 75;
+/// The lock was lost while the command ran. Outside the sysexits range
+/// (64–78) and below the shell's own codes (126 and up).
+pub(crate) const LOST: u8 = 79;
+// sysexits.h ends at EX_CONFIG (78); shells use 126 and up.
+const _: () = assert!(LOST > 78 && LOST < 126);
+/// The command was found but could not be executed (as `env`, `nohup`).
+pub(crate) const CANNOT_EXECUTE: u8 = 126;
+/// The command was not found (as `env`, `nohup`).
+pub(crate) const NOT_FOUND: u8 = 127;
+
+/// The exit code for death by signal `signal`, as shells report it.
+pub(crate) fn signalled(signal: i32) -> u8 {
+    u8::try_from(128 + signal).unwrap_or(u8::MAX)
+}
+
+/// Why a command ends early: an exit code and one line for stderr.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) code: u8,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(code: u8, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn usage(message: impl Into<String>) -> Self {
+        Self::new(USAGE, message)
+    }
+
+    /// The backend failed: `what`, then the error's whole source chain.
+    pub(crate) fn unavailable(what: &str, error: &(dyn StdError + 'static)) -> Self {
+        Self::new(UNAVAILABLE, format!("{what}: {}", Chain(error)))
+    }
+}
+
+/// An error and its sources on one line, `a: b: c`, skipping a source
+/// whose text its parent already shows.
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn StdError + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut shown = self.0.to_string();
+        f.write_str(&shown)?;
+        let mut next = self.0.source();
+        while let Some(error) = next {
+            let text = error.to_string();
+            if !shown.contains(&text) {
+                write!(f, ": {text}")?;
+                shown = text;
+            }
+            next = error.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("outer failed")
+        }
+    }
+
+    impl StdError for Outer {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn chains_show_every_distinct_source() {
+        let error = Outer(std::io::Error::other("refused"));
+        assert_eq!(Chain(&error).to_string(), "outer failed: refused");
+    }
+
+    #[test]
+    fn codes_do_not_clash() {
+        let mut codes = vec![USAGE, UNAVAILABLE, SOFTWARE, BUSY, LOST, CANNOT_EXECUTE];
+        codes.push(NOT_FOUND);
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), 7);
+        assert_eq!(signalled(15), 143);
+    }
+}

@@ -1,0 +1,105 @@
+//! `withlock`: run a command while holding a lock across every host that
+//! shares a lock backend (Redis or PostgreSQL), and list, inspect or
+//! force-release those locks. See `withlock --help` and the README of this
+//! crate.
+
+mod admin;
+mod args;
+mod child;
+mod exit;
+mod format;
+mod run;
+mod store;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::Parser;
+
+use crate::args::{Cli, Command};
+
+/// How long the runtime may take to stop its tasks at exit.
+const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(200);
+
+fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(cli) => cli,
+        Err(error) => return ExitCode::from(argument_error(&error, &argv)),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("withlock: cannot start: {error}");
+            return ExitCode::from(exit::SOFTWARE);
+        }
+    };
+    let outcome = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => run::run(args).await,
+            Command::List(args) => admin::list(args).await,
+            Command::Inspect(args) => admin::inspect(args).await,
+            Command::Release(args) => admin::release(args).await,
+        }
+    });
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
+    match outcome {
+        Ok(code) => ExitCode::from(code),
+        Err(failure) => {
+            eprintln!("withlock: {}", failure.message);
+            ExitCode::from(failure.code)
+        }
+    }
+}
+
+/// Prints a clap error as one line (help and version as clap prints them)
+/// and gives the exit code: 0 for help and version, 64 otherwise.
+fn argument_error(error: &clap::Error, argv: &[OsString]) -> u8 {
+    match error.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = error.print();
+            return 0;
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = error.print();
+            return exit::USAGE;
+        }
+        _ => {}
+    }
+    let is_run = argv.get(1).is_some_and(|a| a == "run");
+    let line = if is_run && !argv.iter().any(|a| a == "--") {
+        "the command must follow `--`, as in: withlock run --key KEY -- CMD [ARGS…]".to_owned()
+    } else {
+        one_line(error)
+    };
+    eprintln!("withlock: {line}");
+    exit::USAGE
+}
+
+/// The problem a clap error names, on one line, without its usage block.
+fn one_line(error: &clap::Error) -> String {
+    if error.kind() == ErrorKind::MissingRequiredArgument {
+        if let Some(ContextValue::Strings(missing)) = error.get(ContextKind::InvalidArg) {
+            return format!("missing {}", missing.join(", "));
+        }
+    }
+    let rendered = error.render().to_string();
+    let text = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|line| !line.starts_with("Usage:"))
+        .filter(|line| {
+            !line.is_empty()
+                && !line.starts_with("tip:")
+                && !line.starts_with("For more information")
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let text = text.strip_prefix("error: ").unwrap_or(&text);
+    format!("{text} (see --help)")
+}

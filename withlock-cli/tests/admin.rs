@@ -1,0 +1,218 @@
+//! `withlock list`, `inspect` and `release --force`, as text and JSON,
+//! against locks other nodes hold.
+
+mod common;
+
+use common::{code, finish, stderr, stdout, Store};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+fn json(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+async fn list_shows_held_locks(store: Store) {
+    let (a, b, free) = (
+        store.key("list-a"),
+        store.key("list-b {x}"),
+        store.key("list-free"),
+    );
+    let (_l1, mut h1) = store.hold(&a, "host-one").await;
+    let (_l2, mut h2) = store.hold(&b, "host-two").await;
+    let (_l3, mut h3) = store.hold(&free, "host-three").await;
+    h3.release().await.unwrap();
+    let token_a = store.stored(&a).await.fencing_token.unwrap();
+    let token_b = store.stored(&b).await.fencing_token.unwrap();
+
+    let output = finish(store.cmd("list").args(["--prefix", store.prefix()])).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let text = stdout(&output);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].starts_with("KEY") && lines[0].contains("NODE"),
+        "{text}"
+    );
+    assert!(
+        lines[0].contains("TTL") && lines[0].contains("TOKEN"),
+        "{text}"
+    );
+    let row_a = lines.iter().find(|l| l.starts_with(&a)).expect("a listed");
+    assert!(
+        row_a.contains("host-one") && row_a.contains(&token_a.to_string()),
+        "{row_a}"
+    );
+    let row_b = lines.iter().find(|l| l.starts_with(&b)).expect("b listed");
+    assert!(
+        row_b.contains("host-two") && row_b.contains(&token_b.to_string()),
+        "{row_b}"
+    );
+    assert!(!text.contains("list-free"), "a free key is listed: {text}");
+
+    let output = finish(
+        store
+            .cmd("list")
+            .args(["--json", "--prefix", store.prefix()]),
+    )
+    .await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let all = json(&stdout(&output));
+    let all = all.as_array().unwrap();
+    assert_eq!(all.len(), 2, "{all:?}");
+    assert_eq!(all[0]["key"], a.as_str());
+    assert_eq!(all[0]["node_id"], "host-one");
+    assert_eq!(all[0]["held"], true);
+    assert_eq!(all[0]["fencing_token"], token_a);
+    assert!(all[0]["owner"].as_str().unwrap().starts_with("host-one/"));
+    let ttl = all[0]["ttl_ms"].as_u64().unwrap();
+    assert!(ttl > 50_000 && ttl <= 60_000, "ttl {ttl}");
+    assert_eq!(all[1]["key"], b.as_str());
+    assert_eq!(all[1]["fencing_token"], token_b);
+
+    // A prefix matching nothing.
+    let none = format!("{}no-such-prefix*", store.prefix());
+    let output = finish(store.cmd("list").args(["--json", "--prefix", &none])).await;
+    assert_eq!(json(&stdout(&output)), Value::Array(vec![]));
+    h1.release().await.unwrap();
+    h2.release().await.unwrap();
+}
+
+async fn inspect_shows_one_key(store: Store) {
+    let key = store.key("inspect me");
+    let (_locker, mut held) = store.hold(&key, "host-one").await;
+    let stored = store.stored(&key).await;
+    let token = stored.fencing_token.unwrap();
+
+    let output = finish(store.cmd("inspect").arg(&key)).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        text.contains(&format!("key:                {key}\n")),
+        "{text}"
+    );
+    assert!(text.contains("held by:            host-one\n"), "{text}");
+    assert!(
+        text.contains(&format!("owner token:        {}\n", stored.owner.unwrap())),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("last fencing token: {token}\n")),
+        "{text}"
+    );
+    assert!(text.contains("ttl:"), "{text}");
+
+    let output = finish(store.cmd("inspect").args(["--json", &key])).await;
+    let one = json(&stdout(&output));
+    assert_eq!(one["key"], key.as_str());
+    assert_eq!(one["held"], true);
+    assert_eq!(one["node_id"], "host-one");
+    assert_eq!(one["fencing_token"], token);
+
+    held.release().await.unwrap();
+    let output = finish(store.cmd("inspect").args(["--json", &key])).await;
+    let one = json(&stdout(&output));
+    assert_eq!(one["held"], false);
+    assert!(one["node_id"].is_null() && one["ttl_ms"].is_null());
+    assert_eq!(
+        one["fencing_token"], token,
+        "the last token outlives the lock"
+    );
+    let output = finish(store.cmd("inspect").arg(&key)).await;
+    assert!(stdout(&output).contains("nobody"), "{}", stdout(&output));
+
+    let never = store.key("never locked");
+    let output = finish(store.cmd("inspect").args(["--json", &never])).await;
+    let one = json(&stdout(&output));
+    assert_eq!(one["held"], false);
+    assert!(one["fencing_token"].is_null());
+}
+
+async fn release_force_frees_any_holder(store: Store) {
+    let key = store.key("release me");
+    let (_locker, mut held) = store.hold(&key, "dead-host").await;
+
+    let output = finish(store.cmd("release").arg(&key)).await;
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(stderr(&output).contains("--force"));
+    assert!(
+        store.stored(&key).await.owner.is_some(),
+        "freed without --force"
+    );
+
+    let output = finish(store.cmd("release").args(["--force", &key])).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(
+        text.contains("released") && text.contains("dead-host"),
+        "{text}"
+    );
+    assert_eq!(store.stored(&key).await.owner, None);
+    assert!(
+        !held.renew().await.unwrap(),
+        "the old holder learns it lost the key"
+    );
+
+    let output = finish(store.cmd("release").args(["--force", &key])).await;
+    assert_eq!(code(&output), 0);
+    assert!(
+        stdout(&output).contains("was not held"),
+        "{}",
+        stdout(&output)
+    );
+
+    // The key can be taken again, with a greater token.
+    let before = store.stored(&key).await.fencing_token.unwrap();
+    let (_again, mut next) = store.hold(&key, "new-host").await;
+    assert!(next.fencing_token().unwrap() > before);
+    next.release().await.unwrap();
+}
+
+/// A `withlock run` in progress shows in `list` with its node id.
+async fn a_running_job_is_listed(store: Store) {
+    let key = store.key("running job");
+    let scratch = common::Scratch::new();
+    let script = format!(
+        "echo $WITHLOCK_FENCING_TOKEN > {t}.tmp && mv {t}.tmp {t}; sleep 30",
+        t = scratch.sh("token")
+    );
+    let child = store
+        .cmd("run")
+        .args([
+            "--node-id",
+            "cron-host-7",
+            "--key",
+            &key,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .unwrap();
+    let token = common::appears(&scratch.path("token")).await;
+    let output = finish(
+        store
+            .cmd("list")
+            .args(["--json", "--prefix", store.prefix()]),
+    )
+    .await;
+    let all = json(&stdout(&output));
+    assert_eq!(all[0]["key"], key.as_str());
+    assert_eq!(all[0]["node_id"], "cron-host-7");
+    assert_eq!(all[0]["fencing_token"].to_string(), token.trim());
+    let ttl = all[0]["ttl_ms"].as_u64().unwrap();
+    assert!(ttl > 15_000, "the default ttl is 30 s and extended: {ttl}");
+    let pid = i32::try_from(child.id().unwrap()).unwrap();
+    kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+    let output = common::wait(child).await;
+    assert_eq!(code(&output), 128 + 15, "{}", stderr(&output));
+    assert_eq!(store.stored(&key).await.owner, None);
+}
+
+on_every_backend!(
+    list_shows_held_locks,
+    inspect_shows_one_key,
+    release_force_frees_any_holder,
+    a_running_job_is_listed,
+);

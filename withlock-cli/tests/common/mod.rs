@@ -1,0 +1,323 @@
+//! What the tests of the `withlock` binary share: a store of each kind in a
+//! namespace of its own, the binary, and a scratch directory the child
+//! commands write to.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use lock_core::{LockHandle, Locker, LockerOptions};
+use lock_postgres::sqlx;
+use lock_postgres::testing::TestBackend;
+use lock_redis::testing::Namespace;
+use lock_redis::{redis, RedisBackend};
+use tokio::process::{Child, Command};
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_withlock");
+
+/// The longest any one run of the binary may take in a test.
+pub const RUN_BOUND: Duration = Duration::from_secs(30);
+
+/// Makes one test per backend from `async fn $name(store: Store)`.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Store::redis().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::common::Store::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+/// A real store, isolated for one test: Redis keys under a random prefix
+/// (deleted afterwards), or a PostgreSQL schema of its own (dropped
+/// afterwards).
+pub enum Store {
+    Redis {
+        url: String,
+        namespace: Namespace,
+        backend: RedisBackend,
+    },
+    Postgres {
+        url: String,
+        backend: TestBackend,
+    },
+}
+
+/// What the store holds for one key, read with the store's own commands.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The owner token of the holder, if the key is held.
+    pub owner: Option<String>,
+    /// The last fencing token drawn for the key.
+    pub fencing_token: Option<u64>,
+}
+
+impl Store {
+    pub async fn redis() -> Self {
+        let url = lock_redis::testing::server_url().await;
+        Self::Redis {
+            namespace: Namespace::new(&url),
+            backend: RedisBackend::from_url(&url).unwrap(),
+            url,
+        }
+    }
+
+    pub async fn postgres() -> Self {
+        let url = lock_postgres::testing::database_url();
+        Self::Postgres {
+            backend: TestBackend::new(&url).await.unwrap(),
+            url,
+        }
+    }
+
+    /// A key for this test.
+    pub fn key(&self, name: &str) -> String {
+        match self {
+            Self::Redis { namespace, .. } => namespace.key(name),
+            Self::Postgres { .. } => name.to_owned(),
+        }
+    }
+
+    /// The prefix every key of [`key`](Self::key) has.
+    pub fn prefix(&self) -> &str {
+        match self {
+            Self::Redis { namespace, .. } => namespace.prefix(),
+            Self::Postgres { .. } => "",
+        }
+    }
+
+    /// `--url` and, for PostgreSQL, `--schema`.
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            Self::Redis { url, .. } => vec!["--url".into(), url.clone()],
+            Self::Postgres { url, backend } => vec![
+                "--url".into(),
+                url.clone(),
+                "--schema".into(),
+                backend.schema().name().to_owned(),
+            ],
+        }
+    }
+
+    /// `withlock SUBCOMMAND` on this store.
+    pub fn cmd(&self, subcommand: &str) -> Command {
+        let mut command = withlock([subcommand]);
+        command.args(self.args());
+        command
+    }
+
+    /// A node of its own on this store, named `node_id`.
+    pub fn locker(&self, node_id: &str) -> Locker {
+        let options = LockerOptions::default().node_id(node_id);
+        match self {
+            Self::Redis { backend, .. } => Locker::with_options(backend.clone(), options),
+            Self::Postgres { backend, .. } => {
+                Locker::with_options(backend.backend().clone(), options)
+            }
+        }
+        .unwrap()
+    }
+
+    /// Takes `key` as node `node_id` for a minute, as another host would.
+    pub async fn hold(&self, key: &str, node_id: &str) -> (Locker, LockHandle) {
+        let locker = self.locker(node_id);
+        let mut handle = locker.handle(key, Duration::from_secs(60)).unwrap();
+        assert!(handle.acquire().await.unwrap(), "{key} was not free");
+        (locker, handle)
+    }
+
+    /// What the store holds for `key`, read directly.
+    pub async fn stored(&self, key: &str) -> Stored {
+        match self {
+            Self::Redis { backend, .. } => {
+                let mut conn = backend.pool().get().await.unwrap();
+                let (owner, token): (Option<String>, Option<u64>) = redis::pipe()
+                    .get(key)
+                    .get(backend.fence_key(key))
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                Stored {
+                    owner,
+                    fencing_token: token,
+                }
+            }
+            Self::Postgres { backend, .. } => {
+                let sql = format!(
+                    "SELECT CASE WHEN locked_until >= clock_timestamp() AT TIME ZONE 'UTC' \
+                     THEN locked_by END, sequence FROM {} WHERE key = $1",
+                    backend.qualified_table()
+                );
+                let row: Option<(Option<String>, i64)> = sqlx::query_as(&sql)
+                    .bind(key)
+                    .fetch_optional(backend.pool())
+                    .await
+                    .unwrap();
+                let (owner, token) = row.map_or((None, None), |(o, t)| (o, Some(t)));
+                Stored {
+                    owner,
+                    fencing_token: token.map(|t| u64::try_from(t).unwrap()),
+                }
+            }
+        }
+    }
+
+    /// Takes `key` away from its holder by hand, for a minute: another
+    /// owner's value in its place.
+    pub async fn steal(&self, key: &str) {
+        let thief = "thief/0123456789abcdef0123456789abcdef";
+        match self {
+            Self::Redis { backend, .. } => {
+                let mut conn = backend.pool().get().await.unwrap();
+                let _: () = redis::cmd("SET")
+                    .arg(key)
+                    .arg(thief)
+                    .arg("XX")
+                    .arg("PX")
+                    .arg(60_000)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+            Self::Postgres { backend, .. } => {
+                let sql = format!(
+                    "UPDATE {} SET locked_by = $2, \
+                     locked_until = clock_timestamp() AT TIME ZONE 'UTC' + interval '1 minute' \
+                     WHERE key = $1 AND locked_by IS NOT NULL",
+                    backend.qualified_table()
+                );
+                let done = sqlx::query(&sql)
+                    .bind(key)
+                    .bind(thief)
+                    .execute(backend.pool())
+                    .await
+                    .unwrap();
+                assert_eq!(done.rows_affected(), 1, "{key} was not held");
+            }
+        }
+        assert_eq!(self.stored(key).await.owner.as_deref(), Some(thief));
+    }
+}
+
+/// `withlock ARGS…` with no `WITHLOCK_*` from the test's environment, no
+/// stdin, and stdout and stderr captured.
+pub fn withlock<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<std::ffi::OsStr>,
+{
+    let mut command = Command::new(BIN);
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("WITHLOCK_") {
+            command.env_remove(name);
+        }
+    }
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    command
+}
+
+/// Runs the command to its end, within [`RUN_BOUND`].
+pub async fn finish(command: &mut Command) -> Output {
+    let child = command.spawn().unwrap();
+    wait(child).await
+}
+
+/// Waits for a spawned `withlock` to end, within [`RUN_BOUND`].
+pub async fn wait(child: Child) -> Output {
+    tokio::time::timeout(RUN_BOUND, child.wait_with_output())
+        .await
+        .expect("withlock did not exit in time")
+        .unwrap()
+}
+
+/// The exit code, and stderr as text.
+pub fn code(output: &Output) -> i32 {
+    output
+        .status
+        .code()
+        .unwrap_or_else(|| panic!("withlock died of a signal: {output:?}"))
+}
+
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A directory of its own for one test, removed on drop.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    pub fn new() -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("withlock-cli-test-{:016x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    /// The path of `name`, as a shell word.
+    pub fn sh(&self, name: &str) -> String {
+        format!("'{}'", self.path(name).display())
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits until `path` exists and is not empty, within ten seconds.
+pub async fn appears(path: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.is_empty() {
+                return text;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Whether the process `pid` still exists (a zombie counts as gone).
+pub fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}

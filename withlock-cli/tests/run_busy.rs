@@ -1,0 +1,94 @@
+//! A lock held elsewhere: `withlock run` exits 75 and the command never
+//! runs, after the wait it was given.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{code, finish, stderr, Scratch, Store};
+
+async fn busy_exits_75_and_the_command_never_runs(store: Store) {
+    let key = store.key("busy");
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let scratch = Scratch::new();
+    let started = Instant::now();
+    let output = finish(store.cmd("run").args([
+        "--no-wait",
+        "--key",
+        &key,
+        "--",
+        "touch",
+        &scratch.path("ran").display().to_string(),
+    ]))
+    .await;
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    assert!(!scratch.path("ran").exists(), "the command ran");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let message = stderr(&output);
+    assert!(
+        message.contains("busy") && message.contains("other-host"),
+        "{message}"
+    );
+    assert_eq!(message.lines().count(), 1, "{message}");
+    // The holder's lock is untouched.
+    assert!(held.renew().await.unwrap());
+    held.release().await.unwrap();
+}
+
+async fn wait_gives_up_after_about_its_duration(store: Store) {
+    let key = store.key("wait-2s");
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let scratch = Scratch::new();
+    let started = Instant::now();
+    let output = finish(store.cmd("run").args([
+        "--wait",
+        "2s",
+        "--key",
+        &key,
+        "--",
+        "touch",
+        &scratch.path("ran").display().to_string(),
+    ]))
+    .await;
+    let took = started.elapsed();
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    assert!(!scratch.path("ran").exists());
+    assert!(
+        took >= Duration::from_millis(1700) && took < Duration::from_secs(4),
+        "gave up after {took:?}"
+    );
+    held.release().await.unwrap();
+}
+
+/// A waiter runs the command as soon as the holder lets go.
+async fn a_waiter_runs_once_the_lock_is_free(store: Store) {
+    let key = store.key("handoff");
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let scratch = Scratch::new();
+    let child = store
+        .cmd("run")
+        .args([
+            "--wait-forever",
+            "--key",
+            &key,
+            "--",
+            "sh",
+            "-c",
+            &format!("echo ran > {}", scratch.sh("ran")),
+        ])
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!scratch.path("ran").exists(), "ran while the lock was held");
+    held.release().await.unwrap();
+    let output = common::wait(child).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(scratch.path("ran").exists());
+    assert_eq!(store.stored(&key).await.owner, None);
+}
+
+on_every_backend!(
+    busy_exits_75_and_the_command_never_runs,
+    wait_gives_up_after_about_its_duration,
+    a_waiter_runs_once_the_lock_is_free,
+);

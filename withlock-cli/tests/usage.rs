@@ -1,0 +1,145 @@
+//! Bad arguments exit 64 with one line naming the problem, before anything
+//! is touched, and `--help` documents the exit codes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{code, finish, stderr, stdout, withlock, Scratch};
+
+/// Runs `withlock ARGS` against an address where nothing listens, so that
+/// a run that touched the backend would end with 69, not 64, and checks
+/// the one line of stderr.
+async fn refused(args: &[&str], names: &str) {
+    let started = Instant::now();
+    let output = finish(&mut withlock(args)).await;
+    let message = stderr(&output);
+    assert_eq!(code(&output), 64, "{args:?}: {message}");
+    assert_eq!(message.lines().count(), 1, "{args:?}: {message}");
+    assert!(message.starts_with("withlock: "), "{message}");
+    assert!(
+        message.contains(names),
+        "{args:?} should name {names:?}: {message}"
+    );
+    assert!(stdout(&output).is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{args:?} waited"
+    );
+}
+
+const URL: &str = "redis://127.0.0.1:1";
+
+#[tokio::test]
+async fn a_command_without_double_dash_is_refused() {
+    let scratch = Scratch::new();
+    let ran = scratch.path("ran").display().to_string();
+    refused(&["run", "--url", URL, "--key", "k", "touch", &ran], "`--`").await;
+    assert!(!scratch.path("ran").exists());
+    refused(&["run", "--url", URL, "--key", "k", "--"], "CMD").await;
+}
+
+#[tokio::test]
+async fn an_unknown_scheme_is_named_without_the_url() {
+    let args = [
+        "run",
+        "--url",
+        "mysql://root:hunter2@db/app",
+        "--key",
+        "k",
+        "--",
+        "true",
+    ];
+    refused(&args, "\"mysql\"").await;
+    let output = finish(&mut withlock(args)).await;
+    assert!(!stderr(&output).contains("hunter2"));
+    refused(&["list", "--url", "localhost:6379"], "--url").await;
+}
+
+#[tokio::test]
+async fn a_malformed_duration_is_named() {
+    for option in ["--ttl", "--wait", "--grace"] {
+        refused(
+            &[
+                "run", "--url", URL, "--key", "k", option, "5x", "--", "true",
+            ],
+            option,
+        )
+        .await;
+    }
+    refused(
+        &[
+            "run", "--url", URL, "--key", "k", "--ttl", "10ms", "--", "true",
+        ],
+        "ttl",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_empty_key_is_refused() {
+    refused(&["run", "--url", URL, "--key", "", "--", "true"], "empty").await;
+    refused(&["inspect", "--url", URL, ""], "empty").await;
+    refused(&["run", "--url", URL, "--", "true"], "--key").await;
+}
+
+#[tokio::test]
+async fn conflicting_waits_and_a_missing_url_are_refused() {
+    refused(
+        &[
+            "run",
+            "--url",
+            URL,
+            "--key",
+            "k",
+            "--wait",
+            "1s",
+            "--no-wait",
+            "--",
+            "true",
+        ],
+        "--no-wait",
+    )
+    .await;
+    refused(&["run", "--key", "k", "--", "true"], "--url").await;
+    refused(
+        &[
+            "run",
+            "--url",
+            URL,
+            "--key",
+            "k",
+            "--node-id",
+            "a\u{7}b",
+            "--",
+            "true",
+        ],
+        "--node-id",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn release_without_force_refuses() {
+    refused(&["release", "--url", URL, "k"], "--force").await;
+}
+
+#[tokio::test]
+async fn help_documents_the_exit_codes() {
+    let output = finish(&mut withlock(["run", "--help"])).await;
+    assert_eq!(code(&output), 0);
+    let help = stdout(&output);
+    for needle in [
+        "64",
+        "69",
+        "75",
+        "79",
+        "128",
+        "WITHLOCK_FENCING_TOKEN",
+        "--table",
+        "--schema",
+        "postgresql://",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle:?}:\n{help}");
+    }
+}
