@@ -39,6 +39,7 @@ impl From<u32> for RetryAttempts {
 /// # assert!(refuse_if_busy.validate().is_ok() && wait_forever.validate().is_ok() && short.validate().is_ok());
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LockConfig {
     /// How long the lock lives without an extension. The driver extends it
     /// about every `ttl / 3` while the callback runs, so it only matters
@@ -173,6 +174,7 @@ pub(crate) fn validate_key(key: &str, max: usize) -> Result<(), InvalidInput> {
 
 /// Settings of one [`Locker`](crate::Locker), that is of one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LockerOptions {
     /// The node id written into every owner token (`<node id>/<32 hex>`),
     /// so that an operator can tell which node holds a key.
