@@ -32,7 +32,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let backend = Arc::new(TestBackend::new(&url).await?);
     p5(&backend).await?;
     let quiet = Arc::new(
-        TestBackend::with_config(&url, PostgresConfig::default().notifications(false)).await?,
+        TestBackend::with_config(&url, PostgresConfig::default().release_notifications(false))
+            .await?,
     );
     let with = handoff(&backend).await?;
     let without = handoff(&quiet).await?;

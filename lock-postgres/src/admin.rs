@@ -126,7 +126,7 @@ impl PostgresBackend {
     ///
     /// A dropped call may or may not have freed the key, never half.
     pub async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, BackendError> {
-        let notify = self.config().notifications;
+        let notify = self.config().release_notifications;
         let announce = if notify { ", pg_notify($2, l.key)" } else { "" };
         // `old` locks the row and keeps its values; the update runs in the
         // same statement, on the same snapshot.
@@ -158,7 +158,7 @@ impl PostgresBackend {
         name: &'static str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, BackendError> {
-        let after = self.config().statement_timeout;
+        let after = self.config().step_timeout;
         match tokio::time::timeout(after, fut).await {
             Ok(result) => result.map_err(step_error),
             Err(_) => Err(step_timeout(name, after)),

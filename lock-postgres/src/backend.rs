@@ -16,7 +16,7 @@ use sqlx::{Postgres, Row};
 use tokio::sync::OnceCell;
 
 use crate::config::PostgresConfig;
-use crate::error::{checkout_error, step_error, step_timeout, PostgresError};
+use crate::error::{checkout_error, step_error, step_timeout, SetupError};
 use crate::listener::Listener;
 use crate::sql::{Statements, EXPIRED, EXTENDED, MIGRATIONS, SEQUENCE_TYPE, TAKEN};
 
@@ -56,26 +56,31 @@ enum Unchecked {
 }
 
 impl PostgresBackend {
-    /// A backend on `pool`, with the table and channel `config` names.
-    /// Touches nothing: run [`migrate`](Self::migrate) once to create the
-    /// table. The listening connection opens at the first wait.
+    /// A backend on the user's `pool`, with the default [`PostgresConfig`]
+    /// (table `"public"."locks"`). Connects nothing: run
+    /// [`migrate`](Self::migrate) once to create the table. The listening
+    /// connection opens at the first wait.
+    pub fn new(pool: PgPool) -> Self {
+        match Self::with_config(pool, PostgresConfig::default()) {
+            Ok(backend) => backend,
+            Err(_) => unreachable!("the default config is valid"),
+        }
+    }
+
+    /// A backend on the user's `pool`, with the table and channel `config`
+    /// names. Connects nothing.
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidConfig`] when `config` does not validate.
-    pub fn new(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
+    /// [`SetupError::InvalidConfig`] when `config` does not validate.
+    pub fn with_config(pool: PgPool, config: PostgresConfig) -> Result<Self, SetupError> {
         config.validate()?;
         let table = config.qualified_table()?;
-        let sql = Statements::new(&table, config.notifications);
+        let sql = Statements::new(&table, config.release_notifications);
         let hub = ReleaseHub::new();
-        let listener = config.notifications.then(|| {
-            Listener::new(
-                &pool,
-                &config.channel,
-                hub.clone(),
-                config.statement_timeout,
-            )
-        });
+        let listener = config
+            .release_notifications
+            .then(|| Listener::new(&pool, &config.channel, hub.clone(), config.step_timeout));
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
@@ -89,42 +94,71 @@ impl PostgresBackend {
         })
     }
 
-    /// Connects a pool to `url` and makes a backend with the default
-    /// config. See [`from_url_with`](Self::from_url_with).
+    /// A backend with a pool of its own, from a URL such as
+    /// `postgres://app@db/app`, with the default config. Connects nothing:
+    /// an unreachable database or a wrong password shows at the first step,
+    /// as a [`BackendError`] with the sqlx error as source. See
+    /// [`connect`](Self::connect) to check the URL at once.
     ///
     /// # Errors
     ///
-    /// [`PostgresError::Connect`] when the database cannot be reached.
+    /// [`SetupError::InvalidUrl`] when `url` does not parse.
+    pub fn from_url(url: &str) -> Result<Self, SetupError> {
+        Self::from_url_with(url, PostgresConfig::default())
+    }
+
+    /// [`from_url`](Self::from_url) with `config`. The pool has sqlx's
+    /// defaults (10 connections) except its acquire timeout, three quarters
+    /// of [`PostgresConfig::step_timeout`], so that a database that cannot
+    /// be reached fails a step with sqlx's own error.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidUrl`] or [`SetupError::InvalidConfig`]; the
+    /// error never shows the URL.
+    pub fn from_url_with(url: &str, config: PostgresConfig) -> Result<Self, SetupError> {
+        config.validate()?;
+        let pool = Self::pool_options(&config)
+            .connect_lazy(url)
+            .map_err(SetupError::InvalidUrl)?;
+        Self::with_config(pool, config)
+    }
+
+    /// Like [`from_url`](Self::from_url), and opens one connection at once
+    /// to check that the database answers.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::Connect`] when the database cannot be reached.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future drops the pool being connected; nothing is left.
-    pub async fn from_url(url: &str) -> Result<Self, PostgresError> {
-        Self::from_url_with(url, PostgresConfig::default()).await
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::connect_with(url, PostgresConfig::default()).await
     }
 
-    /// Connects a pool to `url` and makes a backend with `config`. The pool
-    /// has sqlx's defaults (10 connections) except its acquire timeout,
-    /// three quarters of the statement timeout, so that a database that
-    /// cannot be reached fails a step with sqlx's own error. One
-    /// connection is opened at once to check the URL.
+    /// [`connect`](Self::connect) with `config`.
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidConfig`] or [`PostgresError::Connect`]; the
+    /// [`SetupError::InvalidConfig`] or [`SetupError::Connect`]; the
     /// error never shows the URL.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future drops the pool being connected; nothing is left.
-    pub async fn from_url_with(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
+    pub async fn connect_with(url: &str, config: PostgresConfig) -> Result<Self, SetupError> {
         config.validate()?;
-        let pool = PgPoolOptions::new()
-            .acquire_timeout(config.statement_timeout * 3 / 4)
+        let pool = Self::pool_options(&config)
             .connect(url)
             .await
-            .map_err(PostgresError::Connect)?;
-        Self::new(pool, config)
+            .map_err(SetupError::Connect)?;
+        Self::with_config(pool, config)
+    }
+
+    fn pool_options(config: &PostgresConfig) -> PgPoolOptions {
+        PgPoolOptions::new().acquire_timeout(config.step_timeout * 3 / 4)
     }
 
     /// The pool the steps run on.
@@ -156,16 +190,16 @@ impl PostgresBackend {
     ///
     /// An existing table is left as it is. One whose `sequence` column is
     /// narrower than `bigint` is refused at the first acquisition, with
-    /// [`PostgresError::NarrowSequence`], before anything is locked.
+    /// [`SetupError::NarrowSequence`], before anything is locked.
     ///
     /// # Errors
     ///
-    /// [`PostgresError::Migrate`] naming the file; nothing is changed then.
+    /// [`SetupError::Migrate`] naming the file; nothing is changed then.
     ///
     /// # Cancel safety
     ///
     /// Dropping the future rolls the transaction back.
-    pub async fn migrate(&self) -> Result<(), PostgresError> {
+    pub async fn migrate(&self) -> Result<(), SetupError> {
         for (name, text) in MIGRATIONS {
             // One simple-query message of several statements runs as one
             // implicit transaction: the server rolls it all back if any
@@ -180,7 +214,7 @@ impl PostgresBackend {
             sqlx::raw_sql(&script)
                 .execute(&self.inner.pool)
                 .await
-                .map_err(|source| PostgresError::Migrate {
+                .map_err(|source| SetupError::Migrate {
                     migration: name,
                     source,
                 })?;
@@ -197,7 +231,7 @@ impl PostgresBackend {
         F: FnOnce(PoolConnection<Postgres>) -> Fut,
         Fut: Future<Output = Result<T, sqlx::Error>>,
     {
-        let after = self.inner.config.statement_timeout;
+        let after = self.inner.config.step_timeout;
         let work = async {
             let conn = self.inner.pool.acquire().await.map_err(checkout_error)?;
             statement(conn).await.map_err(step_error)
@@ -234,7 +268,7 @@ impl PostgresBackend {
                     Some(found) if found == "bigint" => Ok(()),
                     Some(found) => Err(Unchecked::Failed(BackendError::new(
                         BackendErrorKind::Protocol,
-                        PostgresError::NarrowSequence {
+                        SetupError::NarrowSequence {
                             table: self.inner.table.clone(),
                             found,
                         },
@@ -283,8 +317,11 @@ impl fmt::Debug for PostgresBackend {
             .field("username", &options.get_username())
             .field("table", &self.inner.table)
             .field("channel", &self.inner.config.channel)
-            .field("notifications", &self.inner.config.notifications)
-            .field("statement_timeout", &self.inner.config.statement_timeout)
+            .field(
+                "release_notifications",
+                &self.inner.config.release_notifications,
+            )
+            .field("step_timeout", &self.inner.config.step_timeout)
             .finish()
     }
 }
@@ -299,7 +336,7 @@ impl fmt::Debug for PostgresBackend {
 impl LockBackend for PostgresBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
-            .with_release_notifications(self.inner.config.notifications)
+            .with_release_notifications(self.inner.config.release_notifications)
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(MAX_EXTEND_BATCH)
     }
@@ -308,7 +345,7 @@ impl LockBackend for PostgresBackend {
     /// with `sequence = max(sequence + 1, database clock in µs)` as the
     /// fencing token, so tokens keep increasing when the row was deleted.
     /// The first call of a backend checks first that `sequence` is
-    /// `bigint` ([`PostgresError::NarrowSequence`], nothing taken). Fails
+    /// `bigint` ([`SetupError::NarrowSequence`], nothing taken). Fails
     /// with kind [`Unavailable`](BackendErrorKind::Unavailable) when no
     /// pooled connection could be had: nothing was sent.
     async fn try_acquire(
@@ -396,7 +433,7 @@ impl LockBackend for PostgresBackend {
         let mut query = sqlx::query(&self.inner.sql.release)
             .bind(lease.key())
             .bind(lease.owner().as_str());
-        if self.inner.config.notifications {
+        if self.inner.config.release_notifications {
             query = query.bind(&self.inner.config.channel);
         }
         let row = self

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::error::PostgresError;
+use crate::error::SetupError;
 
 /// The longest identifier PostgreSQL keeps (`NAMEDATALEN - 1`); longer
 /// names would be truncated silently, so they are refused.
@@ -21,7 +21,7 @@ pub const MAX_IDENTIFIER_LEN: usize = 63;
 /// let config = PostgresConfig::default()
 ///     .schema("jobs")
 ///     .table("job_locks")
-///     .statement_timeout(Duration::from_secs(1));
+///     .step_timeout(Duration::from_secs(1));
 /// assert_eq!(config.qualified_table().unwrap(), r#""jobs"."job_locks""#);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,12 +48,12 @@ pub struct PostgresConfig {
     /// [`BackendErrorKind::Timeout`](lock_core::BackendErrorKind::Timeout).
     ///
     /// Default: 2 s.
-    pub statement_timeout: Duration,
+    pub step_timeout: Duration,
     /// Whether releases send `NOTIFY` and the backend listens for them, so
     /// that waiters wake at once instead of after a retry delay.
     ///
     /// Default: `true`.
-    pub notifications: bool,
+    pub release_notifications: bool,
 }
 
 impl Default for PostgresConfig {
@@ -62,8 +62,8 @@ impl Default for PostgresConfig {
             schema: "public".into(),
             table: "locks".into(),
             channel: "withlock_release".into(),
-            statement_timeout: Duration::from_secs(2),
-            notifications: true,
+            step_timeout: Duration::from_secs(2),
+            release_notifications: true,
         }
     }
 }
@@ -90,17 +90,17 @@ impl PostgresConfig {
         self
     }
 
-    /// Sets [`statement_timeout`](Self::statement_timeout). Defaults to 2 s.
+    /// Sets [`step_timeout`](Self::step_timeout). Defaults to 2 s.
     #[must_use]
-    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
-        self.statement_timeout = timeout;
+    pub fn step_timeout(mut self, timeout: Duration) -> Self {
+        self.step_timeout = timeout;
         self
     }
 
-    /// Sets [`notifications`](Self::notifications). Defaults to `true`.
+    /// Sets [`release_notifications`](Self::release_notifications). Defaults to `true`.
     #[must_use]
-    pub fn notifications(mut self, on: bool) -> Self {
-        self.notifications = on;
+    pub fn release_notifications(mut self, on: bool) -> Self {
+        self.release_notifications = on;
         self
     }
 
@@ -108,14 +108,14 @@ impl PostgresConfig {
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidConfig`] naming the first bad field.
-    pub fn validate(&self) -> Result<(), PostgresError> {
+    /// [`SetupError::InvalidConfig`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), SetupError> {
         check_identifier("schema", &self.schema)?;
         check_identifier("table", &self.table)?;
         check_identifier("channel", &self.channel)?;
-        if self.statement_timeout.is_zero() {
-            return Err(PostgresError::InvalidConfig {
-                field: "statement_timeout",
+        if self.step_timeout.is_zero() {
+            return Err(SetupError::InvalidConfig {
+                field: "step_timeout",
                 reason: "must be above zero",
             });
         }
@@ -127,8 +127,8 @@ impl PostgresConfig {
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidConfig`] for an empty or too long name.
-    pub fn qualified_table(&self) -> Result<String, PostgresError> {
+    /// [`SetupError::InvalidConfig`] for an empty or too long name.
+    pub fn qualified_table(&self) -> Result<String, SetupError> {
         check_identifier("schema", &self.schema)?;
         check_identifier("table", &self.table)?;
         Ok(format!(
@@ -140,7 +140,7 @@ impl PostgresConfig {
 }
 
 /// Refuses names PostgreSQL would reject or silently truncate.
-fn check_identifier(field: &'static str, name: &str) -> Result<(), PostgresError> {
+fn check_identifier(field: &'static str, name: &str) -> Result<(), SetupError> {
     let reason = if name.is_empty() {
         "must not be empty"
     } else if name.len() > MAX_IDENTIFIER_LEN {
@@ -150,7 +150,7 @@ fn check_identifier(field: &'static str, name: &str) -> Result<(), PostgresError
     } else {
         return Ok(());
     };
-    Err(PostgresError::InvalidConfig { field, reason })
+    Err(SetupError::InvalidConfig { field, reason })
 }
 
 /// Quotes `name` as a PostgreSQL identifier: wrapped in double quotes, each
@@ -185,7 +185,7 @@ mod tests {
             .validate()
             .is_err());
         assert!(PostgresConfig::default()
-            .statement_timeout(Duration::ZERO)
+            .step_timeout(Duration::ZERO)
             .validate()
             .is_err());
         PostgresConfig::default()

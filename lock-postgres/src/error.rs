@@ -10,7 +10,7 @@ use lock_core::{BackendError, BackendErrorKind};
 /// or password.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum PostgresError {
+pub enum SetupError {
     /// A field of [`PostgresConfig`](crate::PostgresConfig) is not acceptable.
     #[error("invalid lock-postgres config: {field} {reason}")]
     InvalidConfig {
@@ -19,7 +19,10 @@ pub enum PostgresError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The database could not be reached (from [`from_url`](crate::PostgresBackend::from_url)).
+    /// The URL does not parse (from [`from_url`](crate::PostgresBackend::from_url)).
+    #[error("invalid PostgreSQL URL")]
+    InvalidUrl(#[source] sqlx::Error),
+    /// The database could not be reached (from [`connect`](crate::PostgresBackend::connect)).
     #[error("could not connect to PostgreSQL")]
     Connect(#[source] sqlx::Error),
     /// The migration failed; its transaction was rolled back.

@@ -9,9 +9,9 @@
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // Your pool (or `PostgresBackend::from_url(url)`).
+//! // Your pool (or `PostgresBackend::connect(url)`).
 //! let pool = PgPoolOptions::new().connect("postgres://app@db/app").await?;
-//! let backend = PostgresBackend::new(pool, PostgresConfig::default())?;
+//! let backend = PostgresBackend::with_config(pool, PostgresConfig::default())?;
 //! backend.migrate().await?; // creates "public"."locks" if missing
 //!
 //! let locker = Locker::new(backend);
@@ -91,7 +91,7 @@
 //!
 //! # Release notifications
 //!
-//! With [`PostgresConfig::notifications`] on, one `LISTEN` connection per
+//! With [`PostgresConfig::release_notifications`] on, one `LISTEN` connection per
 //! backend (its own one-connection pool with the user's connect options, so
 //! it takes nothing from the user's pool) dispatches released keys to
 //! waiters. It opens at the first wait, reconnects after it drops and then
@@ -104,8 +104,8 @@
 //! | [`schema`](PostgresConfig::schema) | `public` | schema of the table (must exist) |
 //! | [`table`](PostgresConfig::table) | `locks` | table name (quoted; ≤ 63 bytes) |
 //! | [`channel`](PostgresConfig::channel) | `withlock_release` | `NOTIFY` channel |
-//! | [`statement_timeout`](PostgresConfig::statement_timeout) | 2 s | bound on each step, pool wait included |
-//! | [`notifications`](PostgresConfig::notifications) | `true` | `NOTIFY` on release and one listener |
+//! | [`step_timeout`](PostgresConfig::step_timeout) | 2 s | bound on each step, pool wait included |
+//! | [`release_notifications`](PostgresConfig::release_notifications) | `true` | `NOTIFY` on release and one listener |
 //!
 //! Keys up to [`lock_core::MAX_KEY_LEN`] (1024) bytes; a step that fails
 //! gives a [`lock_core::BackendError`] whose source is the sqlx error
@@ -131,7 +131,7 @@ pub mod testing;
 pub use admin::LockInfo;
 pub use backend::{PostgresBackend, MAX_EXTEND_BATCH};
 pub use config::{quote_identifier, PostgresConfig, MAX_IDENTIFIER_LEN};
-pub use error::PostgresError;
+pub use error::SetupError;
 
 /// Re-exported so that users build their pool with the same sqlx version.
 pub use sqlx;

@@ -27,7 +27,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::ConnectOptions;
 
-use crate::{quote_identifier, PostgresBackend, PostgresConfig, PostgresError};
+use crate::{quote_identifier, PostgresBackend, PostgresConfig, SetupError};
 
 /// The server the tests use unless `DATABASE_URL` says otherwise.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -55,7 +55,7 @@ pub enum TestError {
     Database(#[from] sqlx::Error),
     /// The backend could not be made or migrated.
     #[error("test backend setup failed")]
-    Backend(#[from] PostgresError),
+    Backend(#[from] SetupError),
     /// A helper did not finish within its bound.
     #[error("test helper timed out: {0}")]
     Timeout(&'static str),
@@ -268,7 +268,7 @@ impl TestBackend {
             .max_connections(8)
             .acquire_timeout(Duration::from_millis(1500))
             .connect_lazy_with(options);
-        let backend = PostgresBackend::new(pool, schema.config(config))?;
+        let backend = PostgresBackend::with_config(pool, schema.config(config))?;
         match tokio::time::timeout(WAIT, backend.migrate()).await {
             Ok(result) => result?,
             Err(_) => return Err(TestError::Timeout("migrate")),

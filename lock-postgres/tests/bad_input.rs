@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lock_core::{InvalidInput, LockConfig, LockError, Locker};
 use lock_postgres::testing::{database_url, TestBackend};
-use lock_postgres::{PostgresBackend, PostgresConfig, PostgresError};
+use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
 use sqlx::postgres::PgPoolOptions;
 
 const SOON: Duration = Duration::from_secs(10);
@@ -118,12 +118,12 @@ async fn an_unreachable_url_is_a_clear_error_and_nothing_is_held() {
         .unwrap()
         .port();
     let url = format!("postgres://postgres:s3cret@127.0.0.1:{port}/test");
-    let config = PostgresConfig::default().statement_timeout(Duration::from_millis(800));
-    let err = tokio::time::timeout(SOON, PostgresBackend::from_url_with(&url, config.clone()))
+    let config = PostgresConfig::default().step_timeout(Duration::from_millis(800));
+    let err = tokio::time::timeout(SOON, PostgresBackend::connect_with(&url, config.clone()))
         .await
         .expect("from_url gives up in time")
         .expect_err("nothing listens there");
-    assert!(matches!(err, PostgresError::Connect(_)), "{err:?}");
+    assert!(matches!(err, SetupError::Connect(_)), "{err:?}");
     assert_eq!(err.to_string(), "could not connect to PostgreSQL");
     assert!(!format!("{err:?}").contains("s3cret"));
 
@@ -132,7 +132,7 @@ async fn an_unreachable_url_is_a_clear_error_and_nothing_is_held() {
         .acquire_timeout(Duration::from_millis(500))
         .connect_lazy(&url)
         .unwrap();
-    let backend = PostgresBackend::new(pool, config).unwrap();
+    let backend = PostgresBackend::with_config(pool, config).unwrap();
     let debug = format!("{backend:?}");
     assert!(!debug.contains("s3cret"), "no password in Debug: {debug}");
     assert!(debug.contains(&port.to_string()));
@@ -168,12 +168,12 @@ async fn a_bad_config_is_refused_before_anything_runs() {
         (PostgresConfig::default().schema("s".repeat(64)), "schema"),
         (PostgresConfig::default().channel(""), "channel"),
         (
-            PostgresConfig::default().statement_timeout(Duration::ZERO),
-            "statement_timeout",
+            PostgresConfig::default().step_timeout(Duration::ZERO),
+            "step_timeout",
         ),
     ] {
-        match PostgresBackend::new(pool.clone(), config) {
-            Err(PostgresError::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
+        match PostgresBackend::with_config(pool.clone(), config) {
+            Err(SetupError::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
             other => panic!("expected InvalidConfig for {field}, got {other:?}"),
         }
     }

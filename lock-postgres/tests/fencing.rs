@@ -15,7 +15,7 @@ use lock_core::{
     OwnerToken, ReleaseOutcome,
 };
 use lock_postgres::testing::{database_url, TestBackend, TestSchema};
-use lock_postgres::{PostgresBackend, PostgresConfig, PostgresError};
+use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
@@ -205,7 +205,7 @@ async fn h4_an_integer_sequence_column_is_refused_before_anything_is_taken() {
         .unwrap();
     let name = r#"Ruby's "locks""#;
     let config = schema.config(PostgresConfig::default().table(name));
-    let backend = PostgresBackend::new(pool.clone(), config).unwrap();
+    let backend = PostgresBackend::with_config(pool.clone(), config).unwrap();
     let table = backend.qualified_table().to_owned();
     sqlx::raw_sql(&format!(
         "CREATE TABLE {table} (\
@@ -253,8 +253,8 @@ async fn h4_an_integer_sequence_column_is_refused_before_anything_is_taken() {
             .await
             .expect_err("an integer sequence is refused");
         assert_eq!(error.kind(), BackendErrorKind::Protocol, "{error:?}");
-        match error.inner().downcast_ref::<PostgresError>() {
-            Some(PostgresError::NarrowSequence { table: t, found }) => {
+        match error.inner().downcast_ref::<SetupError>() {
+            Some(SetupError::NarrowSequence { table: t, found }) => {
                 assert_eq!(t, &table);
                 assert_eq!(found, "integer");
             }
@@ -340,7 +340,7 @@ async fn h4_a_pool_that_cannot_connect_is_unavailable() {
         .acquire_timeout(Duration::from_millis(300))
         .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/test"))
         .unwrap();
-    let backend = PostgresBackend::new(pool, PostgresConfig::default()).unwrap();
+    let backend = PostgresBackend::with_config(pool, PostgresConfig::default()).unwrap();
     let owner = OwnerToken::new("a");
     let ttl = Duration::from_secs(30);
     let lease = Lease::new("k", owner.clone(), 1);
@@ -372,7 +372,7 @@ async fn h4_a_pool_that_cannot_connect_is_unavailable() {
 /// by the server, so it stays `Timeout`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h4_a_statement_sent_and_timed_out_stays_a_timeout() {
-    let config = PostgresConfig::default().statement_timeout(Duration::from_millis(500));
+    let config = PostgresConfig::default().step_timeout(Duration::from_millis(500));
     let backend = TestBackend::with_config(&database_url(), config)
         .await
         .unwrap();

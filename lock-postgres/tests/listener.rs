@@ -84,7 +84,7 @@ async fn a_waiter_is_woken_after_the_listener_was_terminated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_off_is_declared_and_nothing_listens() {
-    let config = PostgresConfig::default().notifications(false);
+    let config = PostgresConfig::default().release_notifications(false);
     let backend = Arc::new(
         TestBackend::with_config(&database_url(), config)
             .await

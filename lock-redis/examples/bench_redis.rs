@@ -198,11 +198,8 @@ async fn handoffs(
     rounds: usize,
 ) -> Result<Vec<Duration>, Box<dyn Error>> {
     let config = RedisConfig::default().release_notifications(notifications);
-    let holder = node(
-        RedisBackend::from_url_with_config(url, config.clone())?,
-        "holder",
-    );
-    let waiter = node(RedisBackend::from_url_with_config(url, config)?, "waiter");
+    let holder = node(RedisBackend::from_url_with(url, config.clone())?, "holder");
+    let waiter = node(RedisBackend::from_url_with(url, config)?, "waiter");
     let key = ns.key(if notifications {
         "p3:notify"
     } else {
@@ -263,7 +260,7 @@ async fn p3(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
 async fn p4(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
     const LOCKS: usize = 10_000;
     let ttl = Duration::from_secs(3);
-    let backend = RedisBackend::from_url_with_config(url, RedisConfig::default())?;
+    let backend = RedisBackend::from_url_with(url, RedisConfig::default())?;
     let counting = CountingBackend::new(backend);
     let locker = node(counting.clone(), "p4");
     let idle = cpu_percent_over(Duration::from_secs(2)).await;
@@ -319,7 +316,7 @@ async fn p4(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
 async fn main() -> Result<(), Box<dyn Error>> {
     let url = server_url().await;
     let ns = Namespace::new(&url);
-    let backend = RedisBackend::from_url_with_config(&url, RedisConfig::default())?;
+    let backend = RedisBackend::from_url_with(&url, RedisConfig::default())?;
     let release = Script::new(RAW_RELEASE);
     println!("lock-redis benchmark against {backend:?}");
     let started = Instant::now();

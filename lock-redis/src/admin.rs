@@ -181,7 +181,7 @@ impl RedisBackend {
         step: &'static str,
         query: &(impl AdminQuery + Sync),
     ) -> Result<T, BackendError> {
-        let limit = self.config().command_timeout;
+        let limit = self.config().step_timeout;
         bounded(step, limit, async {
             let mut conn = self.pool().get().await.map_err(|e| match e {
                 PoolError::Backend(e) => map_redis_error(e),

@@ -48,16 +48,22 @@ struct Inner {
     server: String,
     has_password: bool,
     subscription: Option<Subscription>,
+    /// The pub/sub client, when the user gave it beside their own pool: it
+    /// must reach the same server, which the first watch checks.
+    separate_client: Option<redis::Client>,
+    same_server: tokio::sync::OnceCell<Result<(), BackendError>>,
 }
 
 impl RedisBackend {
     /// A backend on the user's `pool`, with the default [`RedisConfig`].
     ///
-    /// `client` opens the one pub/sub connection of the backend; it should
-    /// point at the same server as the pool. Nothing connects until the
-    /// first call.
+    /// `client` opens the one pub/sub connection of the backend; it must
+    /// reach the same server as the pool. Nothing connects until the first
+    /// call. The first wait for a release checks that both reach the same
+    /// server (its `run_id`): if they do not, release notifications stay off
+    /// with an error logged once, and waiters poll every `retry_delay`.
     pub fn new(pool: Pool, client: redis::Client) -> Self {
-        Self::build(pool, client, RedisConfig::default())
+        Self::build(pool, client, RedisConfig::default(), true)
     }
 
     /// A backend on the user's `pool` with `config`.
@@ -71,7 +77,7 @@ impl RedisBackend {
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         config.validate()?;
-        Ok(Self::build(pool, client, config))
+        Ok(Self::build(pool, client, config, true))
     }
 
     /// A backend with a pool of its own, from a URL such as
@@ -84,7 +90,7 @@ impl RedisBackend {
     /// yet: an unreachable server or a wrong password shows at the first
     /// lock call, as a [`BackendError`] with the Redis error as source.
     pub fn from_url(url: &str) -> Result<Self, SetupError> {
-        Self::from_url_with_config(url, RedisConfig::default())
+        Self::from_url_with(url, RedisConfig::default())
     }
 
     /// [`from_url`](Self::from_url) with `config`.
@@ -92,17 +98,56 @@ impl RedisBackend {
     /// # Errors
     ///
     /// As [`from_url`](Self::from_url), and [`SetupError::InvalidConfig`].
-    pub fn from_url_with_config(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
+    pub fn from_url_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
         config.validate()?;
         let client = redis::Client::open(url).map_err(SetupError::InvalidUrl)?;
         let pool =
             deadpool_redis::Config::from_connection_info(client.get_connection_info().clone())
                 .create_pool(Some(Runtime::Tokio1))
                 .map_err(SetupError::Pool)?;
-        Ok(Self::build(pool, client, config))
+        Ok(Self::build(pool, client, config, false))
     }
 
-    fn build(pool: Pool, client: redis::Client, config: RedisConfig) -> Self {
+    /// Like [`from_url`](Self::from_url), and checks at once that the
+    /// server answers (`PING` through the pool).
+    ///
+    /// # Errors
+    ///
+    /// As [`from_url`](Self::from_url), and [`SetupError::Connect`] when the
+    /// server cannot be reached or refuses the connection.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the backend being made; nothing is left.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::connect_with(url, RedisConfig::default()).await
+    }
+
+    /// [`connect`](Self::connect) with `config`.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect), and [`SetupError::InvalidConfig`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
+        let backend = Self::from_url_with(url, config)?;
+        backend
+            .bounded("connecting", async {
+                let mut conn = backend.connection().await?;
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map_err(map_redis_error)
+            })
+            .await
+            .map_err(SetupError::Connect)?;
+        Ok(backend)
+    }
+
+    fn build(pool: Pool, client: redis::Client, config: RedisConfig, separate: bool) -> Self {
         let info = client.get_connection_info();
         let server = match &info.addr {
             redis::ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}"),
@@ -114,6 +159,7 @@ impl RedisBackend {
         let server = format!("{server}/{}", info.redis.db);
         let has_password = info.redis.password.is_some();
         let channel = format!("{}{CHANNEL}", config.prefix);
+        let separate_client = (separate && config.release_notifications).then(|| client.clone());
         let subscription = config
             .release_notifications
             .then(|| Subscription::new(client, channel.clone(), config.prefix.clone(), &config));
@@ -126,6 +172,8 @@ impl RedisBackend {
                 server,
                 has_password,
                 subscription,
+                separate_client,
+                same_server: tokio::sync::OnceCell::new(),
             }),
         }
     }
@@ -179,7 +227,7 @@ impl RedisBackend {
         step: &'static str,
         work: impl Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        let limit = self.inner.config.command_timeout;
+        let limit = self.inner.config.step_timeout;
         let answer = match tokio::time::timeout(limit, work).await {
             Ok(answer) => answer,
             Err(_) => Err(BackendError::timeout(step, limit)),
@@ -260,6 +308,61 @@ fn checkout_error(error: PoolError) -> BackendError {
         PoolError::Backend(e) => BackendError::unavailable(e),
         other => BackendError::unavailable(other),
     }
+}
+
+impl RedisBackend {
+    /// Compares the `run_id` of the server the pool reaches with the one the
+    /// pub/sub client reaches. `Err` (not cached): the check itself failed;
+    /// `Ok(Err)` (cached): they differ, and notifications stay off.
+    async fn check_same_server(
+        &self,
+        client: &redis::Client,
+    ) -> Result<Result<(), BackendError>, BackendError> {
+        let ours = self
+            .bounded("checking the pool's server", async {
+                let mut conn = self.connection().await?;
+                run_id(&mut conn).await
+            })
+            .await?;
+        let theirs = self
+            .bounded("checking the pub/sub client's server", async {
+                let mut conn = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .map_err(map_redis_error)?;
+                run_id(&mut conn).await
+            })
+            .await?;
+        if ours == theirs {
+            return Ok(Ok(()));
+        }
+        tracing::error!(
+            pool_server = %ours,
+            client_server = %theirs,
+            "the pub/sub client given to RedisBackend reaches another Redis server than the pool: release notifications are off, waiters poll every retry_delay"
+        );
+        Ok(Err(BackendError::message(
+            BackendErrorKind::Protocol,
+            format!(
+                "the pub/sub client reaches another Redis server (run_id {theirs}) than the pool (run_id {ours}): release notifications are off"
+            ),
+        )))
+    }
+}
+
+/// The `run_id` of the server behind `conn`, from `INFO server`.
+async fn run_id(conn: &mut MultiplexedConnection) -> Result<String, BackendError> {
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .map_err(map_redis_error)?;
+    info.lines()
+        .find_map(|line| line.strip_prefix("run_id:"))
+        .map(|id| id.trim().to_owned())
+        .ok_or_else(|| {
+            BackendError::message(BackendErrorKind::Protocol, "INFO server has no run_id")
+        })
 }
 
 /// Maps a Redis error to a backend error, keeping it as the source.
@@ -453,9 +556,16 @@ impl LockBackend for RedisBackend {
     ///
     /// Cancel safe: the subscription belongs to the backend, not the call.
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        match &self.inner.subscription {
-            Some(subscription) => subscription.watch(key).await,
-            None => Ok(ReleaseWatch::never()),
+        let Some(subscription) = &self.inner.subscription else {
+            return Ok(ReleaseWatch::never());
+        };
+        if let Some(client) = &self.inner.separate_client {
+            self.inner
+                .same_server
+                .get_or_try_init(|| self.check_same_server(client))
+                .await?
+                .clone()?;
         }
+        subscription.watch(key).await
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 /// | field | default |
 /// |---|---|
 /// | [`prefix`](Self::prefix) | `""` (the lock is the key itself) |
-/// | [`command_timeout`](Self::command_timeout) | 2 s |
+/// | [`step_timeout`](Self::step_timeout) | 2 s |
 /// | [`release_notifications`](Self::release_notifications) | `true` |
 /// | [`max_extend_batch`](Self::max_extend_batch) | 500 |
 /// | [`health_check_interval`](Self::health_check_interval) | 5 s |
@@ -27,7 +27,7 @@ pub struct RedisConfig {
     /// or hung connection never hangs a step.
     ///
     /// Default: 2 s.
-    pub command_timeout: Duration,
+    pub step_timeout: Duration,
     /// Whether waiters learn of releases over pub/sub (one subscription
     /// connection per backend). When off, waiters poll on their retry
     /// timer only; releases are still published for other nodes.
@@ -55,7 +55,7 @@ impl Default for RedisConfig {
     fn default() -> Self {
         Self {
             prefix: String::new(),
-            command_timeout: Duration::from_secs(2),
+            step_timeout: Duration::from_secs(2),
             release_notifications: true,
             max_extend_batch: 500,
             health_check_interval: Duration::from_secs(5),
@@ -72,10 +72,10 @@ impl RedisConfig {
         self
     }
 
-    /// Sets [`command_timeout`](Self::command_timeout). Defaults to 2 s.
+    /// Sets [`step_timeout`](Self::step_timeout). Defaults to 2 s.
     #[must_use]
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+    pub fn step_timeout(mut self, timeout: Duration) -> Self {
+        self.step_timeout = timeout;
         self
     }
 
@@ -110,26 +110,32 @@ impl RedisConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), SetupError> {
-        let invalid = |what| Err(SetupError::InvalidConfig(what));
-        if self.command_timeout.is_zero() {
-            return invalid("command_timeout is zero");
+        let invalid = |field| {
+            Err(SetupError::InvalidConfig {
+                field,
+                reason: "is zero",
+            })
+        };
+        if self.step_timeout.is_zero() {
+            return invalid("step_timeout");
         }
         if self.max_extend_batch == 0 {
-            return invalid("max_extend_batch is zero");
+            return invalid("max_extend_batch");
         }
         if self.health_check_interval.is_zero() {
-            return invalid("health_check_interval is zero");
+            return invalid("health_check_interval");
         }
         if self.max_reconnect_delay.is_zero() {
-            return invalid("max_reconnect_delay is zero");
+            return invalid("max_reconnect_delay");
         }
         Ok(())
     }
 }
 
-/// Why a [`RedisBackend`](crate::RedisBackend) could not be made. Nothing
-/// connects while making one, so an unreachable server or a wrong password
-/// shows at the first lock call instead.
+/// Why a [`RedisBackend`](crate::RedisBackend) could not be made. Only
+/// [`connect`](crate::RedisBackend::connect) connects while making one;
+/// otherwise an unreachable server or a wrong password shows at the first
+/// lock call. Never shows a URL or password.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SetupError {
@@ -140,6 +146,15 @@ pub enum SetupError {
     #[error("the Redis connection pool could not be made")]
     Pool(#[source] deadpool_redis::CreatePoolError),
     /// A field of [`RedisConfig`] is out of range.
-    #[error("invalid RedisConfig: {0}")]
-    InvalidConfig(&'static str),
+    #[error("invalid lock-redis config: {field} {reason}")]
+    InvalidConfig {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The server could not be reached, or refused the connection (from
+    /// [`connect`](crate::RedisBackend::connect)).
+    #[error("could not connect to Redis")]
+    Connect(#[source] lock_core::BackendError),
 }

@@ -48,7 +48,7 @@
 //! | [`RedisConfig`] field | default | what |
 //! |---|---|---|
 //! | `prefix` | `""` | put before every lock key and the channel name |
-//! | `command_timeout` | 2 s | bound on each round trip, pool checkout included (error kind `Timeout`) |
+//! | `step_timeout` | 2 s | bound on each round trip, pool checkout included (error kind `Timeout`) |
 //! | `release_notifications` | `true` | wake waiters over pub/sub; off: waiters poll on `retry_delay` |
 //! | `max_extend_batch` | 500 | leases per `extend_many` pipeline (one round trip) |
 //! | `health_check_interval` | 5 s | `PING` on the subscription connection, to notice a hung one |

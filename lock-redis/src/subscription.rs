@@ -62,7 +62,7 @@ impl Subscription {
                 prefix,
                 hub: ReleaseHub::new(),
                 state,
-                timeout: config.command_timeout,
+                timeout: config.step_timeout,
                 health_check_interval: config.health_check_interval,
                 max_reconnect_delay: config.max_reconnect_delay,
             }),

@@ -566,7 +566,7 @@ impl ScratchBackend {
     pub fn new(url: &str, config: RedisConfig) -> Self {
         let namespace = Namespace::new(url);
         let config = config.prefix(namespace.prefix());
-        let backend = RedisBackend::from_url_with_config(url, config)
+        let backend = RedisBackend::from_url_with(url, config)
             .unwrap_or_else(|e| panic!("scratch backend: {e}"));
         Self { backend, namespace }
     }

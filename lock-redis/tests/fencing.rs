@@ -211,9 +211,9 @@ async fn h4_a_refused_connection_is_unavailable() {
 async fn h4_a_request_sent_to_a_hung_server_stays_a_timeout() {
     let server = RedisServer::start().unwrap();
     let config = RedisConfig::default()
-        .command_timeout(Duration::from_millis(300))
+        .step_timeout(Duration::from_millis(300))
         .release_notifications(false);
-    let backend = RedisBackend::from_url_with_config(&server.url(), config).unwrap();
+    let backend = RedisBackend::from_url_with(&server.url(), config).unwrap();
     let owner = OwnerToken::new("a");
     let ttl = Duration::from_secs(30);
     // Opens the shared connection, so the next request is really written.

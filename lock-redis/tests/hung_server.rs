@@ -46,8 +46,7 @@ impl Drop for Paused<'_> {
 
 /// A backend on `server` with the short command timeout.
 fn backend(server: &RedisServer, config: RedisConfig) -> RedisBackend {
-    RedisBackend::from_url_with_config(&server.url(), config.command_timeout(COMMAND_TIMEOUT))
-        .unwrap()
+    RedisBackend::from_url_with(&server.url(), config.step_timeout(COMMAND_TIMEOUT)).unwrap()
 }
 
 /// A config that keeps trying for about `total`, `delay` apart.

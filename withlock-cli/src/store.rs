@@ -94,7 +94,7 @@ impl Store {
         match Scheme::of(&args.url)? {
             Scheme::Redis => {
                 let config = RedisConfig::default().prefix(args.redis_prefix.clone());
-                RedisBackend::from_url_with_config(&args.url, config)
+                RedisBackend::from_url_with(&args.url, config)
                     .map(Self::Redis)
                     .map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))
             }
@@ -111,7 +111,7 @@ impl Store {
                 config
                     .validate()
                     .map_err(|e| Failure::usage(Chain(&e).to_string()))?;
-                PostgresBackend::from_url_with(&args.url, config)
+                PostgresBackend::connect_with(&args.url, config)
                     .await
                     .map(Self::Postgres)
                     .map_err(|e| Failure::new(UNAVAILABLE, Chain(&e).to_string()))

@@ -1,0 +1,48 @@
+//! Setting the backend up: `from_url` is lazy and `connect` checks the
+//! database, as on every backend.
+
+use lock_core::{BackendErrorKind, LockBackend, Locker, OwnerToken};
+use lock_postgres::testing::{database_url, TestSchema};
+use lock_postgres::{PostgresBackend, SetupError};
+
+fn closed_port_url() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("postgres://postgres@127.0.0.1:{port}/test")
+}
+
+#[tokio::test]
+async fn from_url_connects_nothing_and_connect_checks_the_database() {
+    let url = closed_port_url();
+    let lazy = PostgresBackend::from_url(&url).expect("from_url is lazy");
+    let step = lazy
+        .try_acquire(
+            "k",
+            &OwnerToken::new("a"),
+            std::time::Duration::from_secs(1),
+        )
+        .await
+        .expect_err("nothing listens there");
+    assert_eq!(step.kind(), BackendErrorKind::Unavailable);
+    assert!(matches!(
+        PostgresBackend::connect(&url).await,
+        Err(SetupError::Connect(_))
+    ));
+    assert!(matches!(
+        PostgresBackend::from_url("not a url"),
+        Err(SetupError::InvalidUrl(_))
+    ));
+
+    let url = database_url();
+    let schema = TestSchema::create(&url).await.unwrap();
+    let backend = PostgresBackend::from_url_with(&url, schema.config(Default::default())).unwrap();
+    backend.migrate().await.unwrap();
+    Locker::new(backend)
+        .with_lock("lazy-then-used", |_| async {})
+        .await
+        .unwrap();
+    schema.drop_now().await.unwrap();
+}

@@ -1,0 +1,77 @@
+//! Setting the backend up: `from_url` is lazy and `connect` checks the
+//! server, on every backend alike; a pub/sub client that reaches another
+//! server than the pool is detected instead of silently losing wake-ups.
+
+use std::time::Duration;
+
+use lock_core::{BackendErrorKind, LockBackend, LockConfig, Locker};
+use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::{deadpool_redis, redis, RedisBackend, SetupError};
+
+fn closed_port_url() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("redis://127.0.0.1:{port}")
+}
+
+fn pool(url: &str) -> deadpool_redis::Pool {
+    deadpool_redis::Config::from_url(url)
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn from_url_connects_nothing_and_connect_checks_the_server() {
+    let url = closed_port_url();
+    assert!(RedisBackend::from_url(&url).is_ok(), "from_url is lazy");
+    let err = RedisBackend::connect(&url)
+        .await
+        .expect_err("nothing listens there");
+    match &err {
+        SetupError::Connect(source) => assert_eq!(source.kind(), BackendErrorKind::Unavailable),
+        other => panic!("expected Connect, got {other:?}"),
+    }
+    assert!(matches!(
+        RedisBackend::from_url("not a url"),
+        Err(SetupError::InvalidUrl(_))
+    ));
+    let backend = RedisBackend::connect(&server_url().await).await.unwrap();
+    let ns = Namespace::new(&server_url().await);
+    Locker::new(backend)
+        .with_lock(&ns.key("connected"), |_| async {})
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pub_sub_client_on_another_server_is_detected() {
+    let shared = server_url().await;
+    let other = RedisServer::start().expect("a redis-server of this test's own");
+    let backend = RedisBackend::new(pool(&shared), redis::Client::open(other.url()).unwrap());
+    let ns = Namespace::new(&shared);
+    let err = tokio::time::timeout(Duration::from_secs(5), backend.watch_release(&ns.key("k")))
+        .await
+        .unwrap()
+        .expect_err("the client reaches another server");
+    assert!(
+        err.to_string().contains("unexpected answer")
+            && format!("{:?}", err).contains("another Redis server"),
+        "{err:?}"
+    );
+    // The backend still locks, waiting on its retry timer.
+    let locker = Locker::new(backend.clone());
+    locker
+        .with_lock_config(&ns.key("k"), &LockConfig::default(), |_| async {})
+        .await
+        .unwrap();
+
+    // The same server through two URLs is fine.
+    let same = RedisBackend::new(pool(&shared), redis::Client::open(shared.as_str()).unwrap());
+    tokio::time::timeout(Duration::from_secs(5), same.watch_release(&ns.key("k")))
+        .await
+        .unwrap()
+        .expect("pool and client reach the same server");
+}
