@@ -15,3 +15,9 @@
 //! cargo run -p withlock-examples --example quickstart
 //! cargo run --release -p withlock-examples --example bench_memory
 //! ```
+
+/// The workspace README, whose Rust blocks `cargo test` compiles (and runs,
+/// where they need no server).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
