@@ -14,6 +14,7 @@ use crate::error::{BackendError, BackendErrorKind, LockError};
 use crate::gate::GatePass;
 use crate::held::{HeldLock, Holder};
 use crate::locker::{Inner, Locker};
+use crate::metrics::{Acquisition, Step, Stopwatch};
 use crate::notify::ReleaseWatch;
 use crate::task::{finish_even_if_dropped, never};
 
@@ -43,6 +44,7 @@ impl Inner {
             }
             Ok(AcquireOutcome::Busy) => {}
             Err(error) => {
+                registry.meter.backend_error(&k, Step::TryAcquire);
                 if error.may_have_reached_store() {
                     registry.cleanup.add(&registry, &k, o, Instant::now() + ttl);
                 }
@@ -50,6 +52,7 @@ impl Inner {
         };
         let answer = finish_even_if_dropped(step, orphan).await;
         if let Err(error) = &answer {
+            self.registry.meter.backend_error(key, Step::TryAcquire);
             if error.may_have_reached_store() {
                 let until = Instant::now() + ttl;
                 self.registry
@@ -71,9 +74,13 @@ impl Inner {
         sent_at: Instant,
         holder: Holder,
     ) -> Result<(u64, Arc<HeldLock>), BackendError> {
-        let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder));
+        let meter = self.registry.meter.clone();
+        let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder, meter));
         if !held.is_valid_at(Instant::now()) {
             tracing::debug!(key = %held.lease.key(), "acquisition answered after the lease's validity ran out; releasing it");
+            self.registry
+                .meter
+                .backend_error(held.lease.key_arc(), Step::TryAcquire);
             self.registry
                 .owe_release(held.lease.clone())
                 .in_background();
@@ -109,14 +116,17 @@ pub(crate) struct Holding {
 
 impl Holding {
     /// Releases the lock and waits for the store's answer, then lets the
-    /// next task of this node in \[H3\]. `None` when the lock was no longer
-    /// this call's to release (lost, or released by shutdown).
+    /// next task of this node in \[H3\]. A release that fails is sent again
+    /// while the lock is still valid, so that the answer can say whether the
+    /// key was still ours \[O6\]. `None` when the lock was no longer this
+    /// call's to release (lost, or released by shutdown).
     pub(crate) async fn release(
         mut self,
     ) -> Option<Result<crate::backend::ReleaseOutcome, BackendError>> {
         self.armed = false;
         let owed = self.inner.registry.take_for_release(self.id)?;
-        let answer = finish_even_if_dropped(owed.send(), |_| {}).await;
+        let deadline = self.held.valid_until();
+        let answer = finish_even_if_dropped(owed.send_until(deadline), |_| {}).await;
         drop(self.pass.take());
         Some(answer)
     }
@@ -152,7 +162,8 @@ impl Locker {
     ) -> Result<Holding, LockError> {
         let inner = self.inner();
         let span = tracing::debug_span!("acquire", key = %key);
-        async move {
+        let since = Stopwatch::start();
+        let acquired = async move {
             let limit = match config.retry_attempts {
                 RetryAttempts::Limited(n) => Some(n),
                 RetryAttempts::Unlimited => None,
@@ -186,6 +197,9 @@ impl Locker {
             let mut watch = None;
             // The last attempt that failed on a backend error, if any did.
             let mut last_error = None;
+            // When a release notification woke this call, until the attempt
+            // it triggers answers.
+            let mut woken = None;
             loop {
                 if inner.shutdown.is_started() {
                     return never().await;
@@ -193,7 +207,11 @@ impl Locker {
                 let owner = OwnerToken::new(&inner.node_id);
                 let sent_at = Instant::now();
                 let slot_due = sent_at >= next_slot;
-                let busy = match inner.attempt(key, &owner, config.ttl).await {
+                let answer = inner.attempt(key, &owner, config.ttl).await;
+                if let Some(woken) = woken.take() {
+                    inner.registry.meter.notification_lag(key, &woken);
+                }
+                let busy = match answer {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
                         match inner.hold(lease, config.ttl, sent_at, Holder::Callback).await {
@@ -240,6 +258,7 @@ impl Locker {
                             continue;
                         }
                         Err(error) => {
+                            inner.registry.meter.backend_error(key, Step::WatchRelease);
                             tracing::debug!(%error, "release watch failed; waiting on the retry timer");
                         }
                     }
@@ -248,13 +267,16 @@ impl Locker {
                 tokio::select! {
                     biased;
                     () = inner.shutdown.started() => return never().await,
-                    () = released(&mut watch) => {}
+                    () = released(&mut watch) => woken = Some(Stopwatch::start()),
                     () = tokio::time::sleep_until(next_slot) => {}
                 }
             }
         }
         .instrument(span)
-        .await
+        .await;
+        let outcome = Acquisition::of(&acquired);
+        inner.registry.meter.acquisition(key, outcome, &since);
+        acquired
     }
 }
 

@@ -147,6 +147,12 @@ pub struct ExtendRequest {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Capabilities {
+    /// A short name for the store, the `backend` label of the driver's
+    /// metrics (with the `metrics` feature of `lock-core`). A wrapper that
+    /// forwards its inner backend's capabilities keeps its name.
+    ///
+    /// Default: `"custom"`.
+    pub name: &'static str,
     /// [`LockBackend::watch_release`] gives real notifications. When false
     /// the driver never calls it and waits on its retry timer alone.
     ///
@@ -165,6 +171,7 @@ pub struct Capabilities {
 impl Default for Capabilities {
     fn default() -> Self {
         Self {
+            name: "custom",
             release_notifications: false,
             max_key_len: MAX_KEY_LEN,
             max_extend_batch: 1,
@@ -173,6 +180,13 @@ impl Default for Capabilities {
 }
 
 impl Capabilities {
+    /// Sets [`Capabilities::name`]. Defaults to `"custom"`.
+    #[must_use]
+    pub fn with_name(mut self, name: &'static str) -> Self {
+        self.name = name;
+        self
+    }
+
     /// Sets [`Capabilities::release_notifications`].
     #[must_use]
     pub fn with_release_notifications(mut self, yes: bool) -> Self {
@@ -368,5 +382,11 @@ mod tests {
         assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
         assert_eq!(a.node_id(), "node-a");
         assert!(!format!("{a:?}").contains(hex));
+    }
+
+    #[test]
+    fn a_backend_is_custom_unless_it_names_itself() {
+        assert_eq!(Capabilities::default().name, "custom");
+        assert_eq!(Capabilities::default().with_name("redis").name, "redis");
     }
 }

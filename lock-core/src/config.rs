@@ -21,6 +21,51 @@ pub enum RetryAttempts {
     Unlimited,
 }
 
+/// Written as a number of retries, or `"unlimited"`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for RetryAttempts {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Limited(n) => serializer.serialize_u32(*n),
+            Self::Unlimited => serializer.serialize_str("unlimited"),
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for RetryAttempts {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = RetryAttempts;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a number of retries or \"unlimited\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<RetryAttempts, E> {
+                u32::try_from(n)
+                    .map(RetryAttempts::Limited)
+                    .map_err(|_| E::custom("retry_attempts is above 4294967295"))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<RetryAttempts, E> {
+                u64::try_from(n)
+                    .map_err(|_| E::custom("retry_attempts is negative"))
+                    .and_then(|n| self.visit_u64(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<RetryAttempts, E> {
+                match s {
+                    "unlimited" => Ok(RetryAttempts::Unlimited),
+                    other => other.parse().map(RetryAttempts::Limited).map_err(|_| {
+                        E::custom(format!(
+                            "retry_attempts {other:?} is neither a number nor \"unlimited\""
+                        ))
+                    }),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
 impl From<u32> for RetryAttempts {
     fn from(n: u32) -> Self {
         Self::Limited(n)
@@ -40,12 +85,18 @@ impl From<u32> for RetryAttempts {
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(default, deny_unknown_fields)
+)]
 pub struct LockConfig {
     /// How long the lock lives without an extension. The driver extends it
     /// about every `ttl / 3` while the callback runs, so it only matters
     /// when this node stops extending (a crash, a stalled process).
     ///
     /// Default: 30 s. Range: [`MIN_TTL`] to [`MAX_TTL`].
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub ttl: Duration,
     /// Attempts after the first while the key is held elsewhere.
     ///
@@ -55,6 +106,7 @@ pub struct LockConfig {
     /// extra attempt at once, which does not count.
     ///
     /// Default: 200 ms. At most [`MAX_RETRY_DELAY`]; zero only with limited attempts.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub retry_delay: Duration,
     /// How far each delay between two counted attempts is moved, at random,
     /// either way: a delay is drawn uniformly from `retry_delay ± retry_jitter`,
@@ -64,6 +116,7 @@ pub struct LockConfig {
     /// `retry_attempts × retry_delay`.
     ///
     /// Default: 100 ms (node-redlock's ±100 ms on 200 ms).
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub retry_jitter: Duration,
 }
 
@@ -175,6 +228,11 @@ pub(crate) fn validate_key(key: &str, max: usize) -> Result<(), InvalidInput> {
 /// Settings of one [`Locker`](crate::Locker), that is of one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(default, deny_unknown_fields)
+)]
 pub struct LockerOptions {
     /// The node id written into every owner token (`<node id>/<32 hex>`),
     /// so that an operator can tell which node holds a key.
@@ -185,7 +243,15 @@ pub struct LockerOptions {
     /// releases of the locks still held after its grace period.
     ///
     /// Default: 1 s.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub release_timeout: Duration,
+    /// Whether the metrics recorded with the `metrics` feature carry a
+    /// `key` label. Every key then makes series of its own, so turn it on
+    /// only for a small, fixed set of keys. Without the feature it does
+    /// nothing.
+    ///
+    /// Default: false.
+    pub metrics_key_label: bool,
 }
 
 impl Default for LockerOptions {
@@ -193,6 +259,7 @@ impl Default for LockerOptions {
         Self {
             node_id: None,
             release_timeout: Duration::from_secs(1),
+            metrics_key_label: false,
         }
     }
 }
@@ -209,6 +276,13 @@ impl LockerOptions {
     #[must_use]
     pub fn release_timeout(mut self, timeout: Duration) -> Self {
         self.release_timeout = timeout;
+        self
+    }
+
+    /// Sets [`LockerOptions::metrics_key_label`]. Defaults to false.
+    #[must_use]
+    pub fn metrics_key_label(mut self, yes: bool) -> Self {
+        self.metrics_key_label = yes;
         self
     }
 

@@ -105,7 +105,9 @@ pub enum LossCause {
     #[error("another owner took the key")]
     Taken,
     /// Extensions failed on backend errors until the lock's validity ran
-    /// out; the source is the last error.
+    /// out, or the release after the callback settled got no answer while
+    /// the lock was valid, so nothing proves it was held throughout; the
+    /// source is the last error.
     #[error("extension failed on backend errors until the lock's validity ran out")]
     Backend(#[source] BackendError),
     /// The locker shut down and released the lock.

@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::backend::{ExtendOutcome, ExtendRequest};
 use crate::error::{BackendError, BackendErrorKind, LossCause};
 use crate::held::HeldLock;
+use crate::metrics::Step;
 use crate::registry::Registry;
 
 /// The first pause before an extension that failed is sent again.
@@ -186,7 +187,13 @@ fn apply(
         let Some(e) = s.entries.get_mut(&id) else {
             continue; // released while the batch was in flight
         };
-        match answer.as_ref().map(|v| v[i]) {
+        let result = answer.as_ref().map(|v| v[i]);
+        let key = e.held.lease.key_arc();
+        registry.meter.extension(key, result);
+        if result.is_err() {
+            registry.meter.backend_error(key, Step::Extend);
+        }
+        match result {
             Ok(ExtendOutcome::Extended) => {
                 e.held.confirm(sent_at);
                 e.backoff = first_backoff(e.held.ttl);

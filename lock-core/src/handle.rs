@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use crate::backend::{AcquireOutcome, ExtendOutcome, Lease, OwnerToken, ReleaseOutcome};
 use crate::config::{validate_key, validate_ttl};
-use crate::error::{BackendError, LockError};
+use crate::error::{BackendError, LockError, LossCause};
 use crate::held::{HeldLock, Holder};
 use crate::locker::Locker;
+use crate::metrics::Step;
 use crate::task::{finish_even_if_dropped, never};
 
 /// A lock taken and kept by hand: no retries, no background extension.
@@ -115,17 +116,28 @@ impl LockHandle {
         };
         let id = *id;
         let sent_at = tokio::time::Instant::now();
-        match self.locker.backend().extend(&held.lease, self.ttl).await {
+        let answer = self.locker.backend().extend(&held.lease, self.ttl).await;
+        let meter = &self.locker.inner().registry.meter;
+        meter.extension(held.lease.key_arc(), answer.as_ref().copied());
+        match answer {
             Ok(ExtendOutcome::Extended) => {
                 held.confirm(sent_at);
                 Ok(true)
             }
-            Ok(ExtendOutcome::Expired | ExtendOutcome::Taken) => {
+            Ok(outcome @ (ExtendOutcome::Expired | ExtendOutcome::Taken)) => {
+                held.mark_lost(if outcome == ExtendOutcome::Expired {
+                    LossCause::Expired
+                } else {
+                    LossCause::Taken
+                });
                 self.locker.inner().registry.forget(id);
                 self.held = None;
                 Ok(false)
             }
-            Err(source) => Err(self.backend_error(source)),
+            Err(source) => {
+                meter.backend_error(held.lease.key_arc(), Step::Extend);
+                Err(self.backend_error(source))
+            }
         }
     }
 
@@ -141,13 +153,24 @@ impl LockHandle {
     ///
     /// The release goes on to its end if the future is dropped.
     pub async fn release(&mut self) -> Result<bool, LockError> {
-        let Some((id, _)) = self.held.take() else {
+        let Some((id, held)) = self.held.take() else {
             return Ok(false);
         };
         let Some(owed) = self.locker.inner().registry.take_for_release(id) else {
             return Ok(false); // released by shutdown
         };
-        match finish_even_if_dropped(owed.send(), |_| {}).await {
+        let sent_at = tokio::time::Instant::now();
+        let answer = finish_even_if_dropped(owed.send(), |_| {}).await;
+        if matches!(answer, Ok(ReleaseOutcome::NotHeld)) {
+            // As `with_lock` tells them apart [O6].
+            held.mark_lost(if held.is_valid_at(sent_at) {
+                LossCause::Taken
+            } else {
+                LossCause::Expired
+            });
+        }
+        held.mark_ended();
+        match answer {
             Ok(outcome) => Ok(outcome == ReleaseOutcome::Released),
             Err(source) => Err(self.backend_error(source)),
         }
@@ -187,8 +210,9 @@ impl LockHandle {
 
 impl Drop for LockHandle {
     fn drop(&mut self) {
-        if let Some((id, _)) = self.held.take() {
+        if let Some((id, held)) = self.held.take() {
             if let Some(owed) = self.locker.inner().registry.take_for_release(id) {
+                held.mark_ended();
                 owed.in_background();
             }
         }

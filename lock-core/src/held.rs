@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::backend::Lease;
 use crate::error::LossCause;
+use crate::metrics::{HeldTimer, Meter};
 
 /// The margin taken off a lease's validity for clock drift between this
 /// process and the store: 1% of the ttl plus 2 ms.
@@ -39,6 +40,8 @@ pub(crate) struct HeldLock {
     lost: OnceLock<LossCause>,
     ended: AtomicBool,
     notify: Notify,
+    meter: Meter,
+    held_for: HeldTimer,
 }
 
 impl HeldLock {
@@ -50,6 +53,7 @@ impl HeldLock {
         ttl: Duration,
         sent_at: Instant,
         holder: Holder,
+        meter: Meter,
     ) -> Self {
         Self {
             lease,
@@ -60,6 +64,8 @@ impl HeldLock {
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
             notify: Notify::new(),
+            meter,
+            held_for: HeldTimer::start(),
         }
     }
 
@@ -95,14 +101,21 @@ impl HeldLock {
     pub(crate) fn mark_lost(&self, cause: LossCause) -> bool {
         let first = self.lost.set(cause).is_ok();
         if first {
+            if let Some(cause) = self.lost.get() {
+                self.meter.lost(self.lease.key_arc(), cause);
+            }
+            self.meter.held(self.lease.key_arc(), &self.held_for, true);
             self.notify.notify_waiters();
         }
         first
     }
 
-    /// Records that the call that took the lock released it.
+    /// Records that the call that took the lock released it (after any
+    /// loss its release revealed was marked).
     pub(crate) fn mark_ended(&self) {
         self.ended.store(true, Ordering::Release);
+        let lost = self.lost.get().is_some();
+        self.meter.held(self.lease.key_arc(), &self.held_for, lost);
         self.notify.notify_waiters();
     }
 

@@ -32,6 +32,19 @@
 //!
 //! The contract each behaviour follows is in the workspace README; the
 //! `lock-conformance` crate proves it for every backend.
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature the driver records on the
+//! [`metrics`](https://docs.rs/metrics) facade, to the recorder the
+//! application installs (nothing is recorded without one):
+//! `withlock_acquire_seconds`, `withlock_held_seconds`,
+//! `withlock_extensions_total`, `withlock_lost_total`,
+//! `withlock_release_notification_lag_seconds` and
+//! `withlock_backend_errors_total`, each labelled with the backend's
+//! [`Capabilities::name`]. The key is a label only with
+//! [`LockerOptions::metrics_key_label`]. The workspace README lists each
+//! metric's labels and meaning.
 
 mod acquire;
 mod backend;
@@ -43,6 +56,7 @@ mod gate;
 mod handle;
 mod held;
 mod locker;
+mod metrics;
 mod mutex;
 mod notify;
 mod registry;

@@ -15,6 +15,7 @@ use crate::config::{validate_key, LockConfig, LockerOptions};
 use crate::context::{held_by_current_task, LockContext, Scoped};
 use crate::error::{LockError, LossCause};
 use crate::gate::Gates;
+use crate::metrics::Meter;
 use crate::registry::Registry;
 use crate::shutdown::ShutdownSignal;
 use crate::task::never;
@@ -82,10 +83,11 @@ impl Locker {
         let node_id = options.resolved_node_id()?;
         let backend: Arc<DynLockBackend> = Arc::new(backend);
         let caps = backend.capabilities();
+        let meter = Meter::new(caps.name, options.metrics_key_label);
         Ok(Self {
             inner: Arc::new(Inner {
                 id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
-                registry: Arc::new(Registry::new(Arc::clone(&backend))),
+                registry: Arc::new(Registry::new(Arc::clone(&backend), meter)),
                 backend,
                 caps,
                 node_id: node_id.into(),
@@ -266,9 +268,16 @@ impl Locker {
                 if !held.is_valid_at(Instant::now()) {
                     held.mark_lost(LossCause::Expired);
                 }
-                let released = lock.release().await;
-                if matches!(released, Some(Ok(ReleaseOutcome::NotHeld))) {
-                    held.mark_lost(LossCause::Taken);
+                match lock.release().await {
+                    Some(Ok(ReleaseOutcome::NotHeld)) => {
+                        held.mark_lost(LossCause::Taken);
+                    }
+                    // No answer while the lock was valid: nothing proves
+                    // the key was still ours.
+                    Some(Err(error)) => {
+                        held.mark_lost(LossCause::Backend(error));
+                    }
+                    Some(Ok(ReleaseOutcome::Released)) | None => {}
                 }
                 held.mark_ended();
                 let cause = held.loss_cause().cloned();

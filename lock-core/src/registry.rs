@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use crate::backend::{DynLockBackend, Lease};
 use crate::error::{BackendError, LossCause};
 use crate::held::{HeldLock, Holder};
+use crate::metrics::Meter;
 use crate::release::{Cleanup, OwedRelease};
 
 /// A held lock, with the extender's bookkeeping for it.
@@ -88,18 +89,20 @@ pub(crate) struct Registry {
     pub(crate) backend: Arc<DynLockBackend>,
     pub(crate) max_batch: usize,
     pub(crate) cleanup: Arc<Cleanup>,
+    pub(crate) meter: Meter,
 }
 
 impl Registry {
-    pub(crate) fn new(backend: Arc<DynLockBackend>) -> Self {
+    pub(crate) fn new(backend: Arc<DynLockBackend>, meter: Meter) -> Self {
         let max_batch = backend.capabilities().max_extend_batch.max(1);
         Self {
             state: Mutex::default(),
             wake: Arc::new(Notify::new()),
             changed: Notify::new(),
-            cleanup: Arc::new(Cleanup::new(Arc::clone(&backend))),
+            cleanup: Arc::new(Cleanup::new(Arc::clone(&backend), meter.clone())),
             backend,
             max_batch,
+            meter,
         }
     }
 

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use crate::backend::{DynLockBackend, Lease, OwnerToken, ReleaseOutcome};
 use crate::error::BackendError;
+use crate::metrics::{Meter, Step};
 use crate::registry::Registry;
 
 /// A release this locker owes: counted by the registry from the moment the
@@ -31,8 +32,35 @@ impl OwedRelease {
     }
 
     /// Sends the release and waits for the store's answer.
-    pub(crate) async fn send(mut self) -> Result<ReleaseOutcome, BackendError> {
-        let answer = self.registry.backend.release(&self.lease).await;
+    pub(crate) async fn send(self) -> Result<ReleaseOutcome, BackendError> {
+        self.send_until(Instant::now()).await
+    }
+
+    /// Sends the release, and sends it again with a short backoff after a
+    /// failure until `deadline` (a release is idempotent, and the backend
+    /// takes a fresh connection after an error), so that the answer says
+    /// whether the key was still ours. Gives the last answer.
+    pub(crate) async fn send_until(
+        mut self,
+        deadline: Instant,
+    ) -> Result<ReleaseOutcome, BackendError> {
+        let mut pause = RETRY_PAUSE;
+        let answer = loop {
+            let answer = self.registry.backend.release(&self.lease).await;
+            if answer.is_err() {
+                self.registry
+                    .meter
+                    .backend_error(self.lease.key_arc(), Step::Release);
+            }
+            if answer.is_ok() || Instant::now() + pause >= deadline {
+                break answer;
+            }
+            if let Err(error) = &answer {
+                tracing::debug!(key = %self.lease.key(), %error, "release failed; sending it again");
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        };
         match &answer {
             Ok(outcome) => {
                 tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
@@ -83,8 +111,14 @@ type Pending = HashMap<Arc<str>, Vec<(OwnerToken, Instant)>>;
 /// a failing store costs one task per key, not one per attempt.
 pub(crate) struct Cleanup {
     backend: Arc<DynLockBackend>,
+    meter: Meter,
     pending: Mutex<Pending>,
 }
+
+/// The first pause before a failed release is sent again; it doubles up to
+/// [`MAX_RETRY_PAUSE`].
+const RETRY_PAUSE: Duration = Duration::from_millis(10);
+const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// The first pause between two clean-up rounds of a key; it doubles up to
 /// [`MAX_PAUSE`].
@@ -92,9 +126,10 @@ const FIRST_PAUSE: Duration = Duration::from_millis(50);
 const MAX_PAUSE: Duration = Duration::from_secs(5);
 
 impl Cleanup {
-    pub(crate) fn new(backend: Arc<DynLockBackend>) -> Self {
+    pub(crate) fn new(backend: Arc<DynLockBackend>, meter: Meter) -> Self {
         Self {
             backend,
+            meter,
             pending: Mutex::default(),
         }
     }
@@ -138,7 +173,9 @@ impl Cleanup {
                 let lease = Lease::new(Arc::clone(&key), owner, 0);
                 let backend = Arc::clone(&self.backend);
                 async move {
-                    let _ = backend.release(&lease).await;
+                    if backend.release(&lease).await.is_err() {
+                        self.meter.backend_error(lease.key_arc(), Step::Release);
+                    }
                 }
             })
         });
@@ -180,11 +217,15 @@ impl KeyCleanup {
                 let lease = Lease::new(Arc::clone(&self.key), owner, 0);
                 let remaining = until.saturating_duration_since(Instant::now());
                 let release = tokio::time::timeout(remaining, self.cleanup.backend.release(&lease));
-                if matches!(release.await, Ok(Ok(ReleaseOutcome::Released))) {
-                    tracing::debug!(key = %self.key, "released a key taken by a failed attempt");
-                    if let Some(tokens) = self.cleanup.lock().get_mut(&self.key) {
-                        tokens.retain(|(o, _)| o != lease.owner());
+                match release.await {
+                    Ok(Ok(ReleaseOutcome::Released)) => {
+                        tracing::debug!(key = %self.key, "released a key taken by a failed attempt");
+                        if let Some(tokens) = self.cleanup.lock().get_mut(&self.key) {
+                            tokens.retain(|(o, _)| o != lease.owner());
+                        }
                     }
+                    Ok(Err(_)) => self.cleanup.meter.backend_error(&self.key, Step::Release),
+                    Ok(Ok(ReleaseOutcome::NotHeld)) | Err(_) => {}
                 }
             }
             tokio::time::sleep(pause).await;

@@ -135,6 +135,7 @@ impl std::fmt::Debug for MemoryBackend {
 impl LockBackend for MemoryBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
+            .with_name("memory")
             .with_release_notifications(true)
             .with_max_extend_batch(10_000)
     }

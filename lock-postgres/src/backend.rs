@@ -336,6 +336,7 @@ impl fmt::Debug for PostgresBackend {
 impl LockBackend for PostgresBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
+            .with_name("postgres")
             .with_release_notifications(self.inner.config.release_notifications)
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(MAX_EXTEND_BATCH)

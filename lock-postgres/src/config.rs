@@ -11,7 +11,7 @@ pub const MAX_IDENTIFIER_LEN: usize = 63;
 
 /// Where the locks live and how the backend talks to PostgreSQL.
 ///
-/// Plain data with a [`Default`]; [`PostgresBackend::new`](crate::PostgresBackend::new)
+/// Plain data with a [`Default`]; [`PostgresBackend::with_config`](crate::PostgresBackend::with_config)
 /// validates it.
 ///
 /// ```
@@ -26,6 +26,11 @@ pub const MAX_IDENTIFIER_LEN: usize = 63;
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(default, deny_unknown_fields)
+)]
 pub struct PostgresConfig {
     /// The schema of the lock table. It must exist; [`migrate`](crate::PostgresBackend::migrate)
     /// creates the table, not the schema.
@@ -48,6 +53,7 @@ pub struct PostgresConfig {
     /// [`BackendErrorKind::Timeout`](lock_core::BackendErrorKind::Timeout).
     ///
     /// Default: 2 s.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub step_timeout: Duration,
     /// Whether releases send `NOTIFY` and the backend listens for them, so
     /// that waiters wake at once instead of after a retry delay.

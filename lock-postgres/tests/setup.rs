@@ -46,3 +46,17 @@ async fn from_url_connects_nothing_and_connect_checks_the_database() {
         .unwrap();
     schema.drop_now().await.unwrap();
 }
+
+#[test]
+fn the_config_loads_from_a_file_with_human_durations() {
+    let config: lock_postgres::PostgresConfig =
+        serde_json::from_str(r#"{"schema": "jobs", "table": "job_locks", "step_timeout": "1s"}"#)
+            .unwrap();
+    assert_eq!(
+        config,
+        lock_postgres::PostgresConfig::default()
+            .schema("jobs")
+            .table("job_locks")
+            .step_timeout(std::time::Duration::from_secs(1))
+    );
+}

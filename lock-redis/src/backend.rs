@@ -421,6 +421,7 @@ impl fmt::Debug for RedisBackend {
 impl LockBackend for RedisBackend {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
+            .with_name("redis")
             .with_release_notifications(self.inner.subscription.is_some())
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(self.inner.config.max_extend_batch)

@@ -15,6 +15,11 @@ use std::time::Duration;
 /// | [`max_reconnect_delay`](Self::max_reconnect_delay) | 2 s |
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(default, deny_unknown_fields)
+)]
 pub struct RedisConfig {
     /// Put before every lock key, and before the release channel's name.
     /// Nodes that share locks must use the same prefix.
@@ -27,6 +32,7 @@ pub struct RedisConfig {
     /// or hung connection never hangs a step.
     ///
     /// Default: 2 s.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub step_timeout: Duration,
     /// Whether waiters learn of releases over pub/sub (one subscription
     /// connection per backend). When off, waiters poll on their retry
@@ -43,11 +49,13 @@ pub struct RedisConfig {
     /// connection is noticed and replaced.
     ///
     /// Default: 5 s.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub health_check_interval: Duration,
     /// The longest pause between two attempts to re-establish the
     /// subscription; pauses start at 50 ms and double.
     ///
     /// Default: 2 s.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub max_reconnect_delay: Duration,
 }
 

@@ -75,3 +75,22 @@ async fn a_pub_sub_client_on_another_server_is_detected() {
         .unwrap()
         .expect("pool and client reach the same server");
 }
+
+#[test]
+fn the_config_loads_from_a_file_with_human_durations() {
+    let config: lock_redis::RedisConfig = serde_json::from_str(
+        r#"{"prefix": "app:", "step_timeout": "500ms", "release_notifications": false}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        config,
+        lock_redis::RedisConfig::default()
+            .prefix("app:")
+            .step_timeout(Duration::from_millis(500))
+            .release_notifications(false)
+    );
+    let err = serde_json::from_str::<lock_redis::RedisConfig>(r#"{"command_timeout": "1s"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown field `command_timeout`"), "{err}");
+}

@@ -3,7 +3,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lock_core::{AcquireOutcome, ExtendOutcome, Lease, LockConfig, OwnerToken, ReleaseOutcome};
+use lock_core::{
+    AcquireOutcome, ExtendOutcome, Lease, LockConfig, LockError, OwnerToken, ReleaseOutcome,
+};
 use tokio::time::Instant;
 
 use crate::counting::CountingBackend;
@@ -79,8 +81,9 @@ pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFac
     );
 }
 
-/// \[H3\] The lock is released as soon as the callback settles; a failed
-/// release is not reported and the key then expires with its ttl.
+/// \[H3\] The lock is released as soon as the callback settles. A release
+/// that fails is sent again while the lock is valid; when none is answered,
+/// the key expires with its ttl (and the call is lost, \[O6\]).
 pub async fn h3_released_when_callback_settles(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
@@ -93,17 +96,21 @@ pub async fn h3_released_when_callback_settles(factory: Arc<dyn BackendFactory>)
     assert_eq!(a.held(), 0);
 
     let faulty = FaultInjector::new(Arc::clone(&backend));
-    faulty.fail_next(Step::Release, 1);
-    let b = node(faulty, "b");
+    faulty.fail_always(Step::Release, true);
+    let b = node(faulty.clone(), "b");
     let cfg = LockConfig::default().ttl(SHORT_TTL);
     let released_at = Instant::now();
-    within(
+    let got = within(
         SOON,
         "with_lock",
         b.with_lock_config(&key, &cfg, |_| async { 7 }),
     )
-    .await
-    .expect("a failed release is not reported");
+    .await;
+    faulty.fail_always(Step::Release, false);
+    assert!(
+        got.as_ref().is_err_and(LockError::is_lost),
+        "no release answered: {got:?}"
+    );
     assert_eq!(b.held(), 0);
     within(
         SOON,

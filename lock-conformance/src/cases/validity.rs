@@ -235,3 +235,52 @@ pub async fn s1_shutdown_returns_after_owed_releases(factory: Arc<dyn BackendFac
     within(SOON, "the call", call).await.unwrap().unwrap();
     assert_eq!(a.held(), 0);
 }
+
+/// \[O6\] A release that fails is sent again while the lock is valid: a
+/// passing failure still ends in `Ok`, but when no release is answered
+/// before the validity runs out, nothing proves the key was still ours and
+/// the call is lost with the backend error as cause.
+pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("o6-release");
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    let cfg = LockConfig::default().ttl(SHORT_TTL);
+
+    faulty.fail_next(Step::Release, 2);
+    let got = within(
+        SOON,
+        "a release that fails twice",
+        a.with_lock_config(&key, &cfg, |_| async {}),
+    )
+    .await;
+    assert!(got.is_ok(), "the third release answered: {got:?}");
+    assert_free(&backend, &key, "after the answered release").await;
+
+    faulty.fail_always(Step::Release, true);
+    let (ctx_tx, ctx_rx) = oneshot::channel();
+    let got = within(
+        SOON,
+        "a release that never answers",
+        a.with_lock_config(&key, &cfg, move |ctx| async move {
+            let _ = ctx_tx.send(ctx);
+        }),
+    )
+    .await;
+    faulty.fail_always(Step::Release, false);
+    assert!(
+        matches!(
+            &got,
+            Err(LockError::Lost {
+                cause: LossCause::Backend(e),
+                ..
+            }) if crate::faults::is_injected(e)
+        ),
+        "expected Lost with the release's error, got {got:?}"
+    );
+    assert!(ctx_rx.await.unwrap().is_lost(), "the context agrees");
+    // The key expires with its ttl.
+    tokio::time::sleep(SHORT_TTL).await;
+    assert_free(&backend, &key, "after the ttl").await;
+}

@@ -1,0 +1,446 @@
+//! The analysis proves itself on planted violations: each test plants one
+//! in a clean log and checks that exactly that check reports it.
+
+use super::*;
+use crate::event::{FaultKind, FencedWrite, Held, LeakCheck, ShutdownRecord};
+
+const MS: u64 = 1000;
+const KEY: &str = "k";
+
+/// A section of worker `worker` on [`KEY`] holding token `token` from
+/// `start_ms` to `end_ms`, with one accepted write.
+fn section(
+    worker: u32,
+    seq: u64,
+    token: u64,
+    start_ms: u64,
+    end_ms: u64,
+    outcome: Outcome,
+) -> Section {
+    let lost = outcome == Outcome::Lost;
+    Section {
+        key: KEY.into(),
+        worker,
+        task: 0,
+        seq,
+        t_call: start_ms * MS - MS / 2,
+        t_return: end_ms * MS + MS / 2,
+        outcome,
+        cause: lost.then(|| "the key expired before it was extended".into()),
+        held: Some(Held {
+            token,
+            t_start: start_ms * MS,
+            t_end: Some(end_ms * MS),
+            writes: vec![FencedWrite {
+                t_sent: start_ms * MS + 10,
+                t_done: start_ms * MS + 20,
+                result: WriteResult::Accepted,
+                lost_before: false,
+            }],
+            told_at: lost.then_some(end_ms * MS),
+            ctx_lost: lost,
+        }),
+    }
+}
+
+/// Two workers taking turns on one key for 60 s, every section 80 ms long
+/// with a token ten more than the last; one worker stop from 10 s to
+/// 12.5 s; shutdown and leak check clean.
+fn clean_log() -> Vec<Event> {
+    let mut events = vec![Event::Run(RunInfo {
+        backend: "redis".into(),
+        t_begin: 0,
+        t_end: 60_000 * MS,
+        procs: 2,
+        tasks: 1,
+        keys: vec![KEY.into()],
+        ttl_ms: 1000,
+        liveness_bound_ms: 5000,
+    })];
+    for worker in 0..2 {
+        events.push(Event::WorkerStart {
+            worker,
+            pid: 100 + worker,
+            t: 0,
+        });
+    }
+    for i in 1..600u64 {
+        let start = i * 100;
+        events.push(Event::Section(section(
+            (i % 2) as u32,
+            i,
+            i * 10,
+            start,
+            start + 80,
+            Outcome::Ok,
+        )));
+    }
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::WorkerStop,
+        target: "w0".into(),
+        t_start: 10_000 * MS,
+        t_end: 12_500 * MS,
+        detail: String::new(),
+    }));
+    for worker in 0..2 {
+        events.push(Event::Shutdown(ShutdownRecord {
+            worker,
+            t_signal: 60_000 * MS,
+            t_done: 60_100 * MS,
+            grace_ms: 2000,
+            release_timeout_ms: 1000,
+            callbacks_finished: true,
+            released: 0,
+            release_failures: 0,
+            aborted_tasks: 0,
+            abandoned_waits: 0,
+        }));
+        events.push(Event::WorkerExit {
+            worker,
+            graceful: true,
+            status: "exit status: 0".into(),
+            t: 60_200 * MS,
+        });
+    }
+    for worker in 0..2 {
+        events.push(Event::LeakCheck(LeakCheck {
+            by: Some(worker),
+            t: 60_100 * MS,
+            keys_checked: 1,
+            held: Vec::new(),
+        }));
+    }
+    events.push(Event::LeakCheck(LeakCheck {
+        by: None,
+        t: 60_300 * MS,
+        keys_checked: 1,
+        held: Vec::new(),
+    }));
+    events
+}
+
+fn analyse_events(events: Vec<Event>) -> Report {
+    analyse(&RunLog {
+        events,
+        unreadable_lines: 0,
+    })
+}
+
+/// The report has violations of `check` only, `n` of them.
+fn assert_only(report: &Report, check: Check, n: usize) {
+    for c in Check::ALL {
+        let expected = if c == check { n } else { 0 };
+        assert_eq!(report.count(c), expected, "check {c:?} in:\n{report}");
+    }
+    assert!(report
+        .violations
+        .iter()
+        .all(|v| v.check == check && !v.message.is_empty()));
+}
+
+fn sections_mut(events: &mut [Event]) -> impl Iterator<Item = &mut Section> {
+    events.iter_mut().filter_map(|e| match e {
+        Event::Section(s) => Some(s),
+        _ => None,
+    })
+}
+
+fn section_mut(events: &mut [Event], seq: u64) -> &mut Section {
+    sections_mut(events).find(|s| s.seq == seq).unwrap()
+}
+
+#[test]
+fn a_clean_log_passes_with_its_figures() {
+    let report = analyse_events(clean_log());
+    assert!(report.is_clean(), "{report}");
+    let s = &report.summary;
+    assert_eq!((s.calls, s.sections, s.writes_accepted), (599, 599, 599));
+    assert_eq!((s.overlaps, s.writes_refused, s.leaked), (0, 0, 0));
+    assert_eq!((s.workers, s.graceful_exits), (2, 2));
+    assert_eq!((s.leak_keys_checked, s.worker_leak_checks), (Some(1), 2));
+    assert_eq!(s.fault_counts.get(&FaultKind::WorkerStop), Some(&1));
+    let fault = &s.faults[0];
+    // The first section to start after the heal at 12.5 s starts then and
+    // returns 80.5 ms later.
+    assert_eq!(fault.recovery_ms, Some(80));
+    // The 20 ms between two sections.
+    assert_eq!(fault.longest_unavailability_ms, 20);
+    assert!(report.to_string().contains("violations: none"), "{report}");
+}
+
+#[test]
+fn an_overlap_without_a_loss_report_is_reported() {
+    let mut events = clean_log();
+    // Starts while token 510 (5.1 s to 5.18 s) is held, both Ok.
+    events.push(Event::Section(section(
+        1,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(events);
+    assert_only(&report, Check::Exclusion, 1);
+    assert_eq!(report.summary.overlaps, 1);
+    assert_eq!(report.violations[0].lines.len(), 2);
+}
+
+#[test]
+fn an_overlap_after_the_older_holder_was_told_is_allowed() {
+    let mut events = clean_log();
+    *section_mut(&mut events, 51) = section(1, 51, 510, 5100, 5180, Outcome::Lost);
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.overlaps, 1);
+    assert_eq!(report.summary.overlaps_after_loss_report, 1);
+}
+
+#[test]
+fn an_overlap_where_only_the_newer_holder_was_told_is_reported() {
+    let mut events = clean_log();
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Lost,
+    )));
+    let report = analyse_events(events);
+    assert_only(&report, Check::Exclusion, 1);
+}
+
+#[test]
+fn a_holder_that_acquired_first_and_started_late_is_the_older_one() {
+    let mut events = clean_log();
+    // Called at 5.09 s, got token 505 before 510 was drawn, stalled, and its
+    // callback began at 5.15 s: told of its loss, so the overlap with 510
+    // and its lower token are both accounted for.
+    let mut late = section(0, 9000, 505, 5150, 5190, Outcome::Lost);
+    late.t_call = 5090 * MS;
+    events.push(Event::Section(late));
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.overlaps_after_loss_report, 1);
+}
+
+#[test]
+fn a_token_going_back_is_reported() {
+    let mut events = clean_log();
+    // The store lost its counter: one section draws 3 where 4990 would come.
+    section_mut(&mut events, 500).held.as_mut().unwrap().token = 3;
+    let report = analyse_events(events);
+    assert_only(&report, Check::TokenOrder, 1);
+    assert!(
+        report.violations[0].message.contains("went back"),
+        "{report}"
+    );
+}
+
+#[test]
+fn a_token_given_twice_is_reported() {
+    let mut events = clean_log();
+    section_mut(&mut events, 300).held.as_mut().unwrap().token = 100;
+    let report = analyse_events(events);
+    assert_only(&report, Check::TokenOrder, 1);
+    assert!(report.violations[0].message.contains("twice"), "{report}");
+}
+
+#[test]
+fn a_refused_write_by_a_holder_not_told_is_reported() {
+    let mut events = clean_log();
+    section_mut(&mut events, 42).held.as_mut().unwrap().writes[0].result = WriteResult::Refused;
+    let report = analyse_events(events);
+    assert_only(&report, Check::RefusedWrite, 1);
+    assert_eq!(report.summary.writes_refused, 1);
+}
+
+#[test]
+fn a_refused_write_by_a_holder_told_of_its_loss_is_allowed() {
+    let mut events = clean_log();
+    let mut told = section(0, 42, 420, 4200, 4280, Outcome::Lost);
+    told.held.as_mut().unwrap().writes[0].result = WriteResult::Refused;
+    *section_mut(&mut events, 42) = told;
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.refused_by_told_holders, 1);
+}
+
+#[test]
+fn a_key_left_held_is_a_leak() {
+    let mut events = clean_log();
+    for e in &mut events {
+        if let Event::LeakCheck(c @ LeakCheck { by: None, .. }) = e {
+            c.held.push("k held by withlock-1/abc for 900 ms".into());
+        }
+    }
+    assert_only(&analyse_events(events), Check::Leak, 1);
+}
+
+#[test]
+fn a_key_held_by_a_node_whose_shutdown_returned_is_a_leak() {
+    let mut events = clean_log();
+    for e in &mut events {
+        if let Event::LeakCheck(LeakCheck {
+            by: Some(1), held, ..
+        }) = e
+        {
+            held.push("k held by chaos-w1/abc, expiring in 700 ms".into());
+        }
+    }
+    let report = analyse_events(events);
+    assert_only(&report, Check::Leak, 1);
+    assert!(
+        report.violations[0].message.contains("worker 1"),
+        "{report}"
+    );
+}
+
+#[test]
+fn a_worker_that_did_not_check_its_own_keys_is_reported() {
+    let mut events = clean_log();
+    events.retain(|e| !matches!(e, Event::LeakCheck(LeakCheck { by: Some(0), .. })));
+    assert_only(&analyse_events(events), Check::Leak, 1);
+}
+
+#[test]
+fn a_missing_final_leak_check_is_reported() {
+    let mut events = clean_log();
+    events.retain(|e| !matches!(e, Event::LeakCheck(LeakCheck { by: None, .. })));
+    assert_only(&analyse_events(events), Check::Leak, 1);
+}
+
+#[test]
+fn no_progress_after_a_fault_is_reported_with_its_unavailability() {
+    let mut events = clean_log();
+    // Nothing completes from the fault's start to 6 s after it healed, over
+    // the 5 s bound; calls made meanwhile found the key busy.
+    for s in sections_mut(&mut events) {
+        let t = s.t_call / MS;
+        if (10_000..18_500).contains(&t) {
+            s.outcome = Outcome::NotAcquired;
+            s.held = None;
+        }
+    }
+    let report = analyse_events(events);
+    assert_only(&report, Check::Liveness, 1);
+    let fault = &report.summary.faults[0];
+    assert_eq!(fault.recovery_ms, None);
+    // From the end of the last section (10.08 s, called just before the
+    // fault) to the deadline (12.5 s + 5 s).
+    assert_eq!(fault.longest_unavailability_ms, 7420);
+}
+
+#[test]
+fn slow_recovery_within_the_bound_is_measured_not_reported() {
+    let mut events = clean_log();
+    for s in sections_mut(&mut events) {
+        let t = s.t_call / MS;
+        if (10_000..14_000).contains(&t) {
+            s.outcome = Outcome::NotAcquired;
+            s.held = None;
+        }
+    }
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    let fault = &report.summary.faults[0];
+    // The first call made at 14 s or later starts at 14.1 s and returns at
+    // 14.1805 s; the last section before it ended at 10.08 s.
+    assert_eq!(fault.recovery_ms, Some(1680));
+    assert_eq!(fault.longest_unavailability_ms, 4020);
+    assert_eq!(report.summary.longest_unavailability_ms, 4020);
+}
+
+#[test]
+fn a_call_that_hung_is_a_liveness_violation() {
+    let mut events = clean_log();
+    let s = section_mut(&mut events, 7);
+    s.outcome = Outcome::Hung;
+    s.held = None;
+    assert_only(&analyse_events(events), Check::Liveness, 1);
+}
+
+#[test]
+fn ok_while_the_context_says_lost_is_reported() {
+    let mut events = clean_log();
+    section_mut(&mut events, 9).held.as_mut().unwrap().ctx_lost = true;
+    assert_only(&analyse_events(events), Check::Context, 1);
+}
+
+#[test]
+fn a_worker_that_did_not_shut_down_gracefully_is_reported() {
+    let mut events = clean_log();
+    events.retain(|e| !matches!(e, Event::Shutdown(r) if r.worker == 1));
+    for e in &mut events {
+        if let Event::WorkerExit {
+            worker: 1,
+            graceful,
+            ..
+        } = e
+        {
+            *graceful = false;
+        }
+    }
+    let report = analyse_events(events);
+    assert_only(&report, Check::Shutdown, 2);
+    assert_eq!(report.summary.graceful_exits, 1);
+}
+
+#[test]
+fn a_slow_shutdown_and_failed_releases_are_reported() {
+    let mut events = clean_log();
+    for e in &mut events {
+        if let Event::Shutdown(r) = e {
+            if r.worker == 0 {
+                r.t_done = r.t_signal + 5_000 * MS;
+                r.released = 2;
+                r.release_failures = 1;
+            }
+        }
+    }
+    assert_only(&analyse_events(events), Check::Shutdown, 2);
+}
+
+#[test]
+fn examples_are_capped_but_every_violation_is_counted() {
+    let mut events = clean_log();
+    for s in sections_mut(&mut events) {
+        s.held.as_mut().unwrap().writes[0].result = WriteResult::Refused;
+    }
+    let report = analyse_events(events);
+    assert_eq!(report.count(Check::RefusedWrite), 599);
+    assert_eq!(report.violations.len(), MAX_EXAMPLES);
+    assert!(report.to_string().contains("refused_write 599"), "{report}");
+}
+
+#[test]
+fn loss_causes_are_counted_without_their_numbers() {
+    assert_eq!(
+        without_numbers("extension did not finish within 653.9ms, twice: 2.")
+            + &without_numbers(" 7"),
+        "extension did not finish within Nms, twice: N. N"
+    );
+}
+
+#[test]
+fn unavailability_is_time_no_successful_section_covered() {
+    let served = merge(vec![(6, 8), (1, 2), (7, 9), (3, 4)]);
+    assert_eq!(served, [(1, 2), (3, 4), (6, 9)]);
+    // From 1.5 to 7: uncovered 2..3 and 4..6.
+    assert_eq!(longest_gap(&served, 1, 7), 2);
+    // Nothing served after 9 up to 20.
+    assert_eq!(longest_gap(&served, 5, 20), 11);
+    // Nothing at all: the whole window.
+    assert_eq!(longest_gap(&[], 3, 10), 7);
+    // A long hold covering the whole window: no unavailability.
+    assert_eq!(longest_gap(&[(0, 100)], 3, 10), 0);
+}

@@ -1,0 +1,425 @@
+//! The log: one JSON object a line, written by the workers (sections,
+//! shutdown) and the coordinator (faults, exits, leak check, run), read back
+//! by the analysis. Every time is microseconds of `CLOCK_MONOTONIC`, which
+//! all processes of the machine share.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+
+/// Microseconds of `CLOCK_MONOTONIC`: comparable between the processes of
+/// one machine, unlike [`std::time::Instant`], and never stepped by NTP,
+/// unlike [`std::time::SystemTime`].
+pub fn now_us() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .unwrap_or_else(|e| panic!("CLOCK_MONOTONIC is always readable on Linux: {e}"));
+    let secs = u64::try_from(ts.tv_sec()).unwrap_or(0);
+    let micros = u64::try_from(ts.tv_nsec()).unwrap_or(0) / 1000;
+    secs * 1_000_000 + micros
+}
+
+/// One line of the log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// The run as a whole (coordinator, written at its end).
+    Run(RunInfo),
+    /// A worker is set up and starts its tasks.
+    WorkerStart {
+        /// The worker's index.
+        worker: u32,
+        /// Its process id.
+        pid: u32,
+        /// When.
+        t: u64,
+    },
+    /// One `with_lock` call of a worker task.
+    Section(Section),
+    /// A fault the coordinator injected and healed.
+    Fault(Fault),
+    /// A worker's graceful shutdown (written by the worker).
+    Shutdown(ShutdownRecord),
+    /// How a worker process ended (coordinator).
+    WorkerExit {
+        /// The worker's index.
+        worker: u32,
+        /// It exited by itself after SIGTERM, with status 0, in time.
+        graceful: bool,
+        /// Its exit status, as text.
+        status: String,
+        /// When it was seen to end.
+        t: u64,
+    },
+    /// The check, after every worker ended, that no key is held (coordinator).
+    LeakCheck(LeakCheck),
+}
+
+/// The run's parameters and bounds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    /// `redis` or `postgres`.
+    pub backend: String,
+    /// When the workers were all ready.
+    pub t_begin: u64,
+    /// When the fault schedule ended and the workers were told to stop.
+    pub t_end: u64,
+    /// Worker processes.
+    pub procs: u32,
+    /// Tasks per worker.
+    pub tasks: u32,
+    /// The keys used.
+    pub keys: Vec<String>,
+    /// The lock ttl, in ms.
+    pub ttl_ms: u64,
+    /// How soon after a fault heals some section must complete, in ms.
+    pub liveness_bound_ms: u64,
+}
+
+/// What a `with_lock` call gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The callback's output: the lock was held throughout, says the driver.
+    Ok,
+    /// `LockError::Lost`: the holder was told of its loss.
+    Lost,
+    /// `LockError::NotAcquired`: the callback did not run.
+    NotAcquired,
+    /// Any other error.
+    Failed,
+    /// The call did not return within the worker's watchdog.
+    Hung,
+}
+
+/// One `with_lock` call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Section {
+    /// The key.
+    pub key: String,
+    /// The worker's index.
+    pub worker: u32,
+    /// The task's index within the worker.
+    pub task: u32,
+    /// The call's number within the task.
+    pub seq: u64,
+    /// When `with_lock` was called.
+    pub t_call: u64,
+    /// When it returned.
+    pub t_return: u64,
+    /// What it gave.
+    pub outcome: Outcome,
+    /// The loss cause or the error, as text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+    /// What the callback did, when it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<Held>,
+}
+
+impl Section {
+    /// Whether the holder was told of its loss: `with_lock` gave
+    /// `LockError::Lost`.
+    pub fn told(&self) -> bool {
+        self.outcome == Outcome::Lost
+    }
+
+    /// `w<worker>/t<task>/s<seq>`, also the writer id of its fenced writes.
+    pub fn id(&self) -> String {
+        format!("w{}/t{}/s{}", self.worker, self.task, self.seq)
+    }
+}
+
+/// What a callback did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Held {
+    /// `ctx.fencing_token()`.
+    pub token: u64,
+    /// The callback's first instant.
+    pub t_start: u64,
+    /// The callback's last instant; `None` if it had not ended when the
+    /// worker stopped waiting for it.
+    pub t_end: Option<u64>,
+    /// The fenced writes, in order.
+    pub writes: Vec<FencedWrite>,
+    /// When `ctx.lost()` resolved, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub told_at: Option<u64>,
+    /// `ctx.is_lost()` once `with_lock` had returned and the callback ended.
+    pub ctx_lost: bool,
+}
+
+/// The answer of the fence store to one write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WriteResult {
+    /// One row updated: the token was the highest seen.
+    Accepted,
+    /// No row updated: the store had seen a higher token.
+    Refused,
+    /// The write failed or timed out.
+    Failed,
+}
+
+/// One fenced write to the separate store.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FencedWrite {
+    /// When it was sent.
+    pub t_sent: u64,
+    /// When the answer came.
+    pub t_done: u64,
+    /// The answer.
+    pub result: WriteResult,
+    /// `ctx.is_lost()` just before it was sent.
+    pub lost_before: bool,
+}
+
+/// The kinds of fault the coordinator injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// SIGSTOP of one worker for longer than the ttl, then SIGCONT.
+    WorkerStop,
+    /// SIGSTOP of the lock server (for PostgreSQL: the postmaster and every
+    /// backend) for longer than the ttl, then SIGCONT.
+    ServerStop,
+    /// Redis: SIGKILL of the server, then a restart with no data.
+    ServerKill,
+    /// Redis: `CLIENT KILL TYPE normal`.
+    ClientKillNormal,
+    /// Redis: `CLIENT KILL TYPE pubsub`.
+    ClientKillPubsub,
+    /// PostgreSQL: `pg_terminate_backend` of every worker connection.
+    PgTerminate,
+    /// PostgreSQL: `pg_terminate_backend` of the listening connections only.
+    PgTerminateListen,
+    /// PostgreSQL: `pg_ctl stop -m immediate` (a crash), then start again.
+    PgRestart,
+    /// PostgreSQL: `DELETE` of every lock row, counters included.
+    PgDeleteRows,
+}
+
+impl FaultKind {
+    /// The faults injected on `backend`, in schedule order.
+    pub fn for_backend(backend: &str) -> &'static [FaultKind] {
+        match backend {
+            "redis" => &[
+                Self::WorkerStop,
+                Self::ClientKillNormal,
+                Self::ServerStop,
+                Self::ClientKillPubsub,
+                Self::ServerKill,
+            ],
+            "postgres" => &[
+                Self::WorkerStop,
+                Self::PgTerminate,
+                Self::ServerStop,
+                Self::PgTerminateListen,
+                Self::PgRestart,
+                Self::PgDeleteRows,
+            ],
+            _ => &[],
+        }
+    }
+
+    /// The snake-case name, as in the log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::WorkerStop => "worker_stop",
+            Self::ServerStop => "server_stop",
+            Self::ServerKill => "server_kill",
+            Self::ClientKillNormal => "client_kill_normal",
+            Self::ClientKillPubsub => "client_kill_pubsub",
+            Self::PgTerminate => "pg_terminate",
+            Self::PgTerminateListen => "pg_terminate_listen",
+            Self::PgRestart => "pg_restart",
+            Self::PgDeleteRows => "pg_delete_rows",
+        }
+    }
+}
+
+/// One injected fault.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fault {
+    /// What was done.
+    pub kind: FaultKind,
+    /// To whom: `w<i>` or `server`.
+    pub target: String,
+    /// When it began.
+    pub t_start: u64,
+    /// When it was healed (the server answers again, the worker runs).
+    pub t_end: u64,
+    /// What the injection reported (connections closed, pids stopped…).
+    pub detail: String,
+}
+
+/// What `Locker::shutdown` gave in one worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShutdownRecord {
+    /// The worker's index.
+    pub worker: u32,
+    /// When SIGTERM (or the end of stdin) was seen.
+    pub t_signal: u64,
+    /// When `shutdown` returned.
+    pub t_done: u64,
+    /// The grace given, in ms.
+    pub grace_ms: u64,
+    /// The release timeout of the locker, in ms.
+    pub release_timeout_ms: u64,
+    /// `ShutdownReport::callbacks_finished`.
+    pub callbacks_finished: bool,
+    /// `ShutdownReport::released`.
+    pub released: usize,
+    /// `ShutdownReport::release_failures`.
+    pub release_failures: usize,
+    /// Tasks whose callback had run but whose call had not ended
+    /// [`FINISH_WAIT`](crate::worker::FINISH_WAIT) after shutdown, aborted.
+    pub aborted_tasks: usize,
+    /// Tasks still waiting to acquire after shutdown (such calls never
+    /// settle \[S2\]), ended.
+    #[serde(default)]
+    pub abandoned_waits: usize,
+}
+
+/// A check that no key is held: by a worker, the moment its
+/// `Locker::shutdown` returned, for keys its own node holds; by the
+/// coordinator, once every worker has ended, for any key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LeakCheck {
+    /// The worker that made it; `None` for the coordinator.
+    #[serde(default)]
+    pub by: Option<u32>,
+    /// When it was made.
+    pub t: u64,
+    /// How many keys were looked at.
+    pub keys_checked: usize,
+    /// The keys still held (by the worker's node, for a worker's check),
+    /// with what the store says of them.
+    pub held: Vec<String>,
+}
+
+/// Appends events to a file, one whole line per write, so that a process
+/// stopped or killed mid-run leaves every line before intact.
+#[derive(Debug)]
+pub struct LogWriter {
+    file: Mutex<File>,
+}
+
+impl LogWriter {
+    /// Creates (or appends to) the file at `path`.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be opened.
+    pub fn create(path: &Path) -> io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self {
+            file: Mutex::new(file),
+        })
+    }
+
+    /// Writes one event as one line.
+    ///
+    /// # Errors
+    ///
+    /// When the line cannot be written.
+    pub fn write(&self, event: &Event) -> io::Result<()> {
+        let mut line = serde_json::to_vec(event).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.file
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .write_all(&line)
+    }
+}
+
+/// The events of a run, and how many lines could not be read.
+#[derive(Clone, Debug, Default)]
+pub struct RunLog {
+    /// Every event, file by file.
+    pub events: Vec<Event>,
+    /// Lines that did not parse (a process killed mid-line leaves one).
+    pub unreadable_lines: usize,
+}
+
+impl RunLog {
+    /// Reads every `*.jsonl` file of `dir`.
+    ///
+    /// # Errors
+    ///
+    /// When the directory or a file cannot be read.
+    pub fn read_dir(dir: &Path) -> io::Result<Self> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+            .collect();
+        files.sort();
+        let mut log = Self::default();
+        for path in files {
+            for line in BufReader::new(File::open(&path)?).lines() {
+                let line = line?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match serde_json::from_str(&line) {
+                    Ok(event) => log.events.push(event),
+                    Err(_) => log.unreadable_lines += 1,
+                }
+            }
+        }
+        Ok(log)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clock_is_monotonic_and_in_microseconds() {
+        let a = now_us();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let b = now_us();
+        assert!(b >= a + 4_000 && b < a + 1_000_000, "{a} then {b}");
+    }
+
+    #[test]
+    fn events_round_trip_and_a_torn_line_is_counted() {
+        let dir =
+            std::env::temp_dir().join(format!("chaos-log-test-{:08x}", rand::random::<u32>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let writer = LogWriter::create(&dir.join("w.jsonl")).unwrap();
+        let section = Event::Section(Section {
+            key: "k".into(),
+            worker: 1,
+            task: 2,
+            seq: 3,
+            t_call: 10,
+            t_return: 20,
+            outcome: Outcome::Lost,
+            cause: Some("the key expired".into()),
+            held: Some(Held {
+                token: 7,
+                t_start: 11,
+                t_end: Some(19),
+                writes: vec![FencedWrite {
+                    t_sent: 12,
+                    t_done: 13,
+                    result: WriteResult::Refused,
+                    lost_before: false,
+                }],
+                told_at: Some(18),
+                ctx_lost: true,
+            }),
+        });
+        writer.write(&section).unwrap();
+        std::fs::write(dir.join("torn.jsonl"), "{\"type\":\"sect").unwrap();
+        let log = RunLog::read_dir(&dir).unwrap();
+        assert_eq!(log.events, vec![section]);
+        assert_eq!(log.unreadable_lines, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,97 @@
+//! A multi-process fault checker for withlock (SPEC §5 Reliability): it
+//! proves mutual exclusion modulo loss reports, fencing-token order and
+//! graceful shutdown on the real backends, under faults.
+//!
+//! `chaos run` starts a lock server of its own (`redis-server`, or a
+//! PostgreSQL made with `initdb`) on a free loopback port, and worker
+//! processes (`chaos worker`, the same binary). Each worker runs tasks that
+//! loop over `with_lock` on a few keys with a 1 s ttl. Inside the critical
+//! section a task writes its fencing token twice (at once, and after a
+//! random hold; one hold in eight lasts one to two ttls, so that extensions
+//! run) to a fence table on a separate PostgreSQL server, which takes a
+//! write only if no higher token was written before. Every call is one log
+//! line. Meanwhile the coordinator injects faults, a few seconds apart;
+//! at the end it sends SIGTERM, each worker calls `Locker::shutdown`, checks
+//! that its node holds nothing the moment that returns and exits, the
+//! coordinator checks the store once more, and [`analysis::analyse`] reads
+//! the logs.
+//!
+//! # Commands
+//!
+//! ```text
+//! # the tests: the analysis on planted violations, and ~40 s per backend
+//! cargo test -p lock-chaos -- --nocapture          # CHAOS_SECONDS=… to change
+//! # a long run
+//! cargo run -p lock-chaos --release -- run --backend redis --seconds 600
+//! cargo run -p lock-chaos --release -- run --backend postgres --seconds 600
+//! # one fault over and over
+//! cargo run -p lock-chaos --release -- run --backend redis --seconds 150 \
+//!     --faults server_kill --heal 1500ms
+//! # analyse the logs of a run again
+//! cargo run -p lock-chaos -- analyse /tmp/withlock-chaos-redis-…
+//! ```
+//!
+//! `chaos` with no arguments prints every option. The fence table goes on
+//! `--fence-url` (default `DATABASE_URL`, else
+//! `postgres://postgres@127.0.0.1:5432/test`); every address must be a
+//! loopback one. `RUST_LOG` sets the workers' tracing (default `warn`),
+//! written to `worker-<i>.stderr`.
+//!
+//! # Faults
+//!
+//! | fault | backend | what |
+//! |---|---|---|
+//! | `worker_stop` | both | SIGSTOP of one worker (in turn) for 2.5 ttl, then SIGCONT |
+//! | `server_stop` | both | SIGSTOP of the server (PostgreSQL: the postmaster and every backend) for 2.5 ttl |
+//! | `server_kill` | Redis | SIGKILL, then a restart with no data: locks and fencing counters gone |
+//! | `client_kill_normal`, `client_kill_pubsub` | Redis | `CLIENT KILL TYPE normal` / `pubsub` |
+//! | `pg_terminate`, `pg_terminate_listen` | PostgreSQL | `pg_terminate_backend` of every worker connection / of the listening ones |
+//! | `pg_restart` | PostgreSQL | `pg_ctl stop -m immediate` (a crash), then start |
+//! | `pg_delete_rows` | PostgreSQL | `DELETE` of every lock row: locks and `sequence` counters gone |
+//!
+//! # Checks
+//!
+//! See [`analysis`]: exclusion modulo loss reports, token order, refused
+//! writes only from holders told of their loss, liveness after each fault
+//! (with the longest unavailability per fault), no leak after graceful
+//! shutdown, and the agreement of `with_lock`'s outcome with the lock
+//! context. The analysis proves itself on planted violations in its unit
+//! tests.
+//!
+//! # Output
+//!
+//! The directory (`--out`, default a new one under the temporary
+//! directory) holds `coordinator.jsonl` (faults, exits, leak check, the run),
+//! `worker-<i>.jsonl` (one line per call, see [`event::Section`]),
+//! `worker-<i>.stderr`, and `report.json` ([`analysis::Report`]). The
+//! summary is printed. Exit status: 0 clean, 1 violations, 2 the run could
+//! not be made.
+//!
+//! # Processes
+//!
+//! The coordinator ends everything it started on every exit path, panics
+//! included, through guards that own the child handles (never a kill by
+//! name). Ctrl-C ends the fault schedule and still stops the workers
+//! gracefully. If the coordinator itself is killed, the workers see their
+//! stdin close and shut down, `redis-server` and PostgreSQL are killed by
+//! watchdogs; the fence table (and a PostgreSQL data directory under the
+//! temporary directory) are left, and the next run drops fence tables older
+//! than an hour.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`event`] | the log lines, the shared clock |
+//! | [`analysis`] | the checks, the report |
+//! | [`fence`] | the fenced store |
+//! | [`worker`] | one worker process |
+//! | [`coordinator`] | the run: servers, workers, faults, leak check |
+//! | [`server`] | the lock servers, their faults, reading who holds a key |
+//! | [`args`] | the command line |
+
+pub mod analysis;
+pub mod args;
+pub mod coordinator;
+pub mod event;
+pub mod fence;
+pub mod server;
+pub mod worker;

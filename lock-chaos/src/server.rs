@@ -1,0 +1,495 @@
+//! The lock servers a run starts (a `redis-server` or a PostgreSQL of its
+//! own, on a free loopback port), the faults injected into them, and the
+//! leak check.
+
+use std::io;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use lock_postgres::testing::{terminate_connections, TestError, TestServer};
+use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
+use lock_redis::redis;
+use lock_redis::testing::RedisServer;
+use nix::sys::signal::Signal;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use crate::args::Backend;
+use crate::event::FaultKind;
+
+/// The `application_name` of every worker connection to the PostgreSQL
+/// lock server, so that faults cut exactly those.
+pub const WORKER_APPLICATION_NAME: &str = "withlock-chaos-worker";
+
+/// The bound on each admin step.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// What starting a server or injecting a fault can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// A process or signal step failed.
+    #[error("server process step failed")]
+    Io(#[from] io::Error),
+    /// A Redis admin command failed.
+    #[error("Redis admin command failed")]
+    Redis(#[from] redis::RedisError),
+    /// The PostgreSQL test server failed.
+    #[error("PostgreSQL test server step failed")]
+    PgServer(#[from] TestError),
+    /// The PostgreSQL lock table could not be made.
+    #[error("PostgreSQL lock backend setup failed")]
+    PgBackend(#[from] SetupError),
+    /// A PostgreSQL admin statement failed.
+    #[error("PostgreSQL admin statement failed")]
+    Database(#[from] sqlx::Error),
+    /// A step did not finish in time.
+    #[error("server step timed out: {0}")]
+    Timeout(&'static str),
+}
+
+/// Sends `signal` to process `pid`.
+///
+/// # Errors
+///
+/// When the process does not exist or may not be signalled.
+pub fn signal(pid: u32, signal: Signal) -> io::Result<()> {
+    let pid = i32::try_from(pid).map_err(io::Error::other)?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).map_err(io::Error::from)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServerError> + Send + 'static,
+) -> Result<T, ServerError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServerError::Io(io::Error::other(e)))?
+}
+
+async fn bounded<T>(
+    what: &'static str,
+    fut: impl std::future::Future<Output = Result<T, ServerError>>,
+) -> Result<T, ServerError> {
+    tokio::time::timeout(WAIT, fut)
+        .await
+        .map_err(|_| ServerError::Timeout(what))?
+}
+
+/// The lock server of a run. Dropping it resumes whatever a fault left
+/// stopped and stops the server.
+#[derive(Debug)]
+pub enum LockServer {
+    /// A `redis-server` child.
+    Redis(Arc<RedisServer>),
+    /// A PostgreSQL server of its own.
+    Postgres(PgServer),
+}
+
+impl LockServer {
+    /// Starts the server for `backend` and makes it ready for the workers
+    /// (for PostgreSQL: the lock table).
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError`] when the server cannot be started.
+    pub async fn start(backend: Backend) -> Result<Self, ServerError> {
+        match backend {
+            Backend::Redis => {
+                let server = blocking(|| Ok(RedisServer::start()?)).await?;
+                Ok(Self::Redis(Arc::new(server)))
+            }
+            Backend::Postgres => Ok(Self::Postgres(PgServer::start().await?)),
+        }
+    }
+
+    /// The URL the workers use.
+    pub fn worker_url(&self) -> String {
+        match self {
+            Self::Redis(server) => server.url(),
+            Self::Postgres(pg) => format!(
+                "{}?application_name={WORKER_APPLICATION_NAME}",
+                pg.server.url()
+            ),
+        }
+    }
+
+    /// Injects a server fault and heals it: a stop lasts `stop_for`.
+    /// Returns what the injection reported.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError`] when the fault could not be injected or healed; a
+    /// stopped server is resumed whatever happens.
+    pub async fn inject(&self, kind: FaultKind, stop_for: Duration) -> Result<String, ServerError> {
+        match (self, kind) {
+            (Self::Redis(server), FaultKind::ServerStop) => {
+                let s = Arc::clone(server);
+                blocking(move || Ok(s.pause()?)).await?;
+                tokio::time::sleep(stop_for).await;
+                let s = Arc::clone(server);
+                blocking(move || Ok(s.resume()?)).await?;
+                Ok(format!(
+                    "redis-server stopped for {} ms",
+                    stop_for.as_millis()
+                ))
+            }
+            (Self::Redis(server), FaultKind::ServerKill) => {
+                let s = Arc::clone(server);
+                blocking(move || Ok(s.restart()?)).await?;
+                Ok("redis-server killed (SIGKILL) and restarted empty".to_owned())
+            }
+            (Self::Redis(server), FaultKind::ClientKillNormal | FaultKind::ClientKillPubsub) => {
+                let kind_name = if kind == FaultKind::ClientKillNormal {
+                    "normal"
+                } else {
+                    "pubsub"
+                };
+                let s = Arc::clone(server);
+                let n = blocking(move || Ok(s.kill_clients(kind_name)?)).await?;
+                Ok(format!("CLIENT KILL TYPE {kind_name}: {n} closed"))
+            }
+            (Self::Postgres(pg), _) => pg.inject(kind, stop_for).await,
+            (Self::Redis(_), _) => Err(ServerError::Io(io::Error::other(format!(
+                "{} is not a Redis fault",
+                kind.name()
+            )))),
+        }
+    }
+}
+
+/// A key the store says is held.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldKey {
+    /// The key.
+    pub key: String,
+    /// The owner token holding it, `<node id>/<32 hex>`.
+    pub owner: String,
+    /// How long it stays held without an extension, in ms.
+    pub expires_in_ms: i64,
+}
+
+impl HeldKey {
+    /// Whether the locker with node id `node` holds it.
+    pub fn is_held_by(&self, node: &str) -> bool {
+        self.owner
+            .strip_prefix(node)
+            .is_some_and(|rest| rest.starts_with('/'))
+    }
+}
+
+impl std::fmt::Display for HeldKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "key {:?} held by {:?}, expiring in {} ms",
+            self.key, self.owner, self.expires_in_ms
+        )
+    }
+}
+
+/// The keys of `keys` that the lock store at `url` says are held, read
+/// from the store itself (for PostgreSQL, the default lock table).
+///
+/// # Errors
+///
+/// [`ServerError`] when the store cannot be read in time.
+pub async fn held_keys(
+    backend: Backend,
+    url: &str,
+    keys: &[String],
+) -> Result<Vec<HeldKey>, ServerError> {
+    match backend {
+        Backend::Redis => bounded("leak check", redis_held(url, keys)).await,
+        Backend::Postgres => bounded("leak check", pg_held(url, keys)).await,
+    }
+}
+
+async fn redis_held(url: &str, keys: &[String]) -> Result<Vec<HeldKey>, ServerError> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut held = Vec::new();
+    for key in keys {
+        let (owner, pttl): (Option<String>, i64) = redis::pipe()
+            .cmd("GET")
+            .arg(key)
+            .cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await?;
+        // -2: no such key.
+        if pttl != -2 {
+            held.push(HeldKey {
+                key: key.clone(),
+                owner: owner.unwrap_or_default(),
+                expires_in_ms: pttl,
+            });
+        }
+    }
+    Ok(held)
+}
+
+async fn pg_held(url: &str, keys: &[String]) -> Result<Vec<HeldKey>, ServerError> {
+    let table = PostgresConfig::default().qualified_table()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(WAIT)
+        .connect(url)
+        .await?;
+    // The backend's own notion of held: an owner, and time left.
+    let sql = format!(
+        "SELECT key, locked_by, (EXTRACT(EPOCH FROM locked_until - \
+         (clock_timestamp() AT TIME ZONE 'UTC')) * 1000)::bigint \
+         FROM {table} WHERE key = ANY($1) AND locked_by IS NOT NULL \
+         AND locked_until >= clock_timestamp() AT TIME ZONE 'UTC'"
+    );
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(&sql).bind(keys).fetch_all(&pool).await?;
+    pool.close().await;
+    Ok(rows
+        .into_iter()
+        .map(|(key, owner, expires_in_ms)| HeldKey {
+            key,
+            owner,
+            expires_in_ms,
+        })
+        .collect())
+}
+
+/// A PostgreSQL server of its own with the lock table, a watchdog that
+/// kills it if this process dies without dropping it, and the processes a
+/// fault stopped.
+pub struct PgServer {
+    server: Arc<TestServer>,
+    table: String,
+    stopped: Mutex<Vec<u32>>,
+    pid_file: PathBuf,
+    watchdog: Option<Child>,
+}
+
+impl std::fmt::Debug for PgServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgServer")
+            .field("server", &self.server)
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgServer {
+    async fn start() -> Result<Self, ServerError> {
+        let server = Arc::new(blocking(|| Ok(TestServer::start()?)).await?);
+        let pid_file = std::env::temp_dir().join(format!(
+            "withlock-chaos-pg-{:016x}.pids",
+            rand::random::<u64>()
+        ));
+        let mut pg = Self {
+            server,
+            table: String::new(),
+            stopped: Mutex::new(Vec::new()),
+            pid_file,
+            watchdog: None,
+        };
+        pg.write_pid_file(pg.postmaster().await?, &[])?;
+        pg.watchdog = spawn_watchdog(&pg.pid_file).ok();
+        let backend = bounded("migrate", async {
+            let backend = PostgresBackend::connect(&pg.server.url()).await?;
+            backend.migrate().await?;
+            Ok(backend)
+        })
+        .await?;
+        pg.table = backend.qualified_table().to_owned();
+        backend.pool().close().await;
+        Ok(pg)
+    }
+
+    async fn admin(&self) -> Result<PgPool, ServerError> {
+        Ok(PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(WAIT)
+            .connect(&self.server.url())
+            .await?)
+    }
+
+    /// The postmaster's pid: the parent of a backend serving us, read while
+    /// that backend still runs.
+    async fn postmaster(&self) -> Result<u32, ServerError> {
+        let pool = self.admin().await?;
+        let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await?;
+        let parent = u32::try_from(backend)
+            .map_err(io::Error::other)
+            .and_then(parent_of);
+        pool.close().await;
+        parent?.ok_or_else(|| ServerError::Io(io::Error::other("no postmaster for the backend")))
+    }
+
+    /// Writes `postmaster`, then the pids a fault stopped, for the watchdog.
+    fn write_pid_file(&self, postmaster: u32, stopped: &[u32]) -> Result<(), ServerError> {
+        let mut text = format!("{postmaster}\n");
+        for pid in stopped {
+            text.push_str(&format!("{pid}\n"));
+        }
+        std::fs::write(&self.pid_file, text)?;
+        Ok(())
+    }
+
+    async fn inject(&self, kind: FaultKind, stop_for: Duration) -> Result<String, ServerError> {
+        let url = self.server.url();
+        match kind {
+            FaultKind::ServerStop => {
+                let postmaster = self.postmaster().await?;
+                let mut pids = vec![postmaster];
+                pids.extend(children_of(postmaster)?);
+                self.write_pid_file(postmaster, &pids)?;
+                for &pid in &pids {
+                    if signal(pid, Signal::SIGSTOP).is_ok() {
+                        self.lock_stopped().push(pid);
+                    }
+                }
+                tokio::time::sleep(stop_for).await;
+                self.resume_stopped();
+                self.write_pid_file(postmaster, &[])?;
+                Ok(format!(
+                    "postmaster and {} backends stopped for {} ms",
+                    pids.len() - 1,
+                    stop_for.as_millis()
+                ))
+            }
+            FaultKind::PgTerminate | FaultKind::PgTerminateListen => {
+                let only_listening = kind == FaultKind::PgTerminateListen;
+                let n = bounded("terminate", async {
+                    Ok(
+                        terminate_connections(&url, WORKER_APPLICATION_NAME, only_listening)
+                            .await?,
+                    )
+                })
+                .await?;
+                Ok(format!("pg_terminate_backend: {n} connections"))
+            }
+            FaultKind::PgRestart => {
+                let s = Arc::clone(&self.server);
+                blocking(move || {
+                    s.stop()?;
+                    Ok(s.start_again()?)
+                })
+                .await?;
+                self.write_pid_file(self.postmaster().await?, &[])?;
+                Ok("pg_ctl stop -m immediate, then start".to_owned())
+            }
+            FaultKind::PgDeleteRows => {
+                let pool = self.admin().await?;
+                let sql = format!("DELETE FROM {}", self.table);
+                let done = sqlx::query(&sql).execute(&pool).await?;
+                pool.close().await;
+                Ok(format!("deleted {} lock rows", done.rows_affected()))
+            }
+            other => Err(ServerError::Io(io::Error::other(format!(
+                "{} is not a PostgreSQL fault",
+                other.name()
+            )))),
+        }
+    }
+
+    fn lock_stopped(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.stopped.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn resume_stopped(&self) {
+        for pid in self.lock_stopped().drain(..) {
+            let _ = signal(pid, Signal::SIGCONT);
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        // A stopped postmaster would make the server's own drop wait.
+        self.resume_stopped();
+        if let Some(mut watchdog) = self.watchdog.take() {
+            let _ = watchdog.kill();
+            let _ = watchdog.wait();
+        }
+        let _ = std::fs::remove_file(&self.pid_file);
+    }
+}
+
+/// A shell that waits for this process to end; if it ends without
+/// dropping the server (SIGKILL), resumes the pids in `pid_file` and kills
+/// the postmaster (its first line), whose backends then exit.
+fn spawn_watchdog(pid_file: &std::path::Path) -> io::Result<Child> {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "while kill -0 {parent} 2>/dev/null; do sleep 1; done; \
+             f={file}; for p in $(cat \"$f\"); do kill -CONT \"$p\" 2>/dev/null; done; \
+             kill -9 \"$(head -n 1 \"$f\")\" 2>/dev/null; rm -f \"$f\"",
+            parent = std::process::id(),
+            file = pid_file.display(),
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+}
+
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: u32) -> io::Result<Option<u32>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    Ok(parse_ppid(&stat))
+}
+
+/// The fourth field of a `/proc/<pid>/stat` line; the second (the command
+/// name, in parentheses) may hold spaces and parentheses.
+fn parse_ppid(stat: &str) -> Option<u32> {
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The pids whose parent is `parent`.
+fn children_of(parent: u32) -> io::Result<Vec<u32>> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let Some(pid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // Processes may end while we look.
+        if let Ok(Some(ppid)) = parent_of(pid) {
+            if ppid == parent {
+                children.push(pid);
+            }
+        }
+    }
+    Ok(children)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parent_pid_is_read_past_odd_command_names() {
+        assert_eq!(
+            parse_ppid("123 (post gres: a) b)) S 77 123 123 0"),
+            Some(77)
+        );
+        assert_eq!(parse_ppid("garbage"), None);
+        let me = std::process::id();
+        let child = Reap(Command::new("sleep").arg("5").spawn().unwrap());
+        assert_eq!(parent_of(child.0.id()).unwrap(), Some(me));
+        assert!(children_of(me).unwrap().contains(&child.0.id()));
+    }
+
+    struct Reap(Child);
+
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}

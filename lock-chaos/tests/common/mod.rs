@@ -1,0 +1,115 @@
+//! Runs the real `chaos` binary for one backend and checks its report.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lock_chaos::analysis::Report;
+use lock_chaos::event::FaultKind;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// How long the faults run: `CHAOS_SECONDS`, default 40.
+fn seconds() -> u64 {
+    std::env::var("CHAOS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40)
+}
+
+/// Stops the coordinator if the test ends early: SIGTERM (it then stops
+/// its workers and servers), SIGKILL if it is still there after a while.
+struct Coordinator(Child);
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            if let Ok(pid) = i32::try_from(self.0.id()) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Runs `chaos run --backend <backend>` with every fault of the backend and
+/// asserts that the analysis is clean and that each fault happened.
+pub(crate) fn run_and_check(backend: &str) {
+    let seconds = seconds();
+    let dir = std::env::temp_dir().join(format!(
+        "withlock-chaos-test-{backend}-{:08x}",
+        rand::random::<u32>()
+    ));
+    let child = Command::new(env!("CARGO_BIN_EXE_chaos"))
+        .args([
+            "run",
+            "--backend",
+            backend,
+            "--seconds",
+            &seconds.to_string(),
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the chaos binary starts");
+    let mut coordinator = Coordinator(child);
+    // The run, its setup and its teardown, with room to spare.
+    let deadline = Instant::now() + Duration::from_secs(seconds + 180);
+    let status = loop {
+        if let Some(status) = coordinator.0.try_wait().expect("wait for chaos") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "chaos run did not finish in time"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut summary = String::new();
+    if let Some(mut out) = coordinator.0.stdout.take() {
+        use std::io::Read;
+        out.read_to_string(&mut summary).expect("read chaos output");
+    }
+    println!("{summary}");
+    assert!(
+        status.code() == Some(0) || status.code() == Some(1),
+        "chaos run could not be made ({status}); see its stderr above"
+    );
+    let json = std::fs::read_to_string(dir.join("report.json")).expect("report.json written");
+    let report: Report = serde_json::from_str(&json).expect("report.json parses");
+
+    for kind in FaultKind::for_backend(backend) {
+        assert!(
+            report.summary.fault_counts.get(kind).copied().unwrap_or(0) >= 1,
+            "fault {} did not happen in {seconds} s (raise CHAOS_SECONDS)",
+            kind.name()
+        );
+    }
+    assert!(report.summary.sections > 0, "no callback ran");
+    assert!(
+        report.summary.writes_accepted > 0,
+        "no fenced write was accepted"
+    );
+    assert_eq!(
+        report.summary.leak_keys_checked,
+        Some(4),
+        "the final leak check ran"
+    );
+    assert_eq!(
+        report.summary.worker_leak_checks, 3,
+        "each worker checked its own keys when its shutdown returned"
+    );
+    assert!(
+        report.is_clean(),
+        "the analysis found violations:\n{report}"
+    );
+    assert_eq!(status.code(), Some(0), "a clean report exits 0");
+    let _ = std::fs::remove_dir_all(&dir);
+}
