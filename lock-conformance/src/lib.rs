@@ -34,7 +34,7 @@
 //!    [`lock_core::ReleaseHub`] and make sure the subscription is in place
 //!    before `watch_release` returns.
 //! 3. Run this suite with [`conformance_tests!`]. `tests/toy_backend.rs` in
-//!    this crate is a complete example: a forty-line backend on a `HashMap`
+//!    this crate is a complete example: a backend of about a hundred lines on a `HashMap`
 //!    that passes every case.
 //!
 //! # Wrappers
