@@ -5,7 +5,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use deadpool_redis::PoolError;
 use lock_core::{BackendError, BackendErrorKind, OwnerToken};
 
 use crate::backend::{map_redis_error, RedisBackend};
@@ -183,10 +182,9 @@ impl RedisBackend {
     ) -> Result<T, BackendError> {
         let limit = self.config().step_timeout;
         bounded(step, limit, async {
-            let mut conn = self.pool().get().await.map_err(|e| match e {
-                PoolError::Backend(e) => map_redis_error(e),
-                other => BackendError::request(other),
-            })?;
+            // The backend's own connection: in Sentinel mode it goes to the
+            // primary the Sentinels name, which a pool could not follow.
+            let mut conn = self.connection().await?;
             query.run(&mut conn).await.map_err(map_redis_error)
         })
         .await
@@ -235,14 +233,14 @@ impl RedisBackend {
 trait AdminQuery {
     fn run<T: redis::FromRedisValue>(
         &self,
-        conn: &mut deadpool_redis::Connection,
+        conn: &mut redis::aio::MultiplexedConnection,
     ) -> impl Future<Output = redis::RedisResult<T>> + Send;
 }
 
 impl AdminQuery for redis::Cmd {
     fn run<T: redis::FromRedisValue>(
         &self,
-        conn: &mut deadpool_redis::Connection,
+        conn: &mut redis::aio::MultiplexedConnection,
     ) -> impl Future<Output = redis::RedisResult<T>> + Send {
         self.query_async(conn)
     }
@@ -251,7 +249,7 @@ impl AdminQuery for redis::Cmd {
 impl AdminQuery for redis::Pipeline {
     fn run<T: redis::FromRedisValue>(
         &self,
-        conn: &mut deadpool_redis::Connection,
+        conn: &mut redis::aio::MultiplexedConnection,
     ) -> impl Future<Output = redis::RedisResult<T>> + Send {
         self.query_async(conn)
     }

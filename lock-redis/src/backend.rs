@@ -15,13 +15,15 @@ use redis::aio::MultiplexedConnection;
 use redis::Script;
 
 use crate::config::{RedisConfig, SetupError};
+use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
-use crate::subscription::Subscription;
+use crate::subscription::{PubSubTarget, Subscription};
 
-static ACQUIRE: LazyLock<Script> =
+pub(crate) static ACQUIRE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/acquire.lua")));
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
-static RELEASE: LazyLock<Script> =
+pub(crate) static EXTEND: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
+pub(crate) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
 
 /// The name of the release channel, after the prefix.
@@ -43,6 +45,12 @@ struct Inner {
     /// step: a pool checkout costs a `PING` round trip each time. Dropped
     /// after a connection error or timeout; the next step takes a new one.
     shared: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// The connection of acquisitions that `WAIT` for replicas, so that a
+    /// slow `WAIT` never holds up the extensions on `shared`.
+    durable: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// In Sentinel mode, where connections go instead of the pool: the
+    /// primary the Sentinels name now.
+    sentinel: Option<Arc<SentinelSource>>,
     config: RedisConfig,
     channel: String,
     server: String,
@@ -77,6 +85,7 @@ impl RedisBackend {
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         config.validate()?;
+        crate::durability::validate(&config)?;
         Ok(Self::build(pool, client, config, true))
     }
 
@@ -100,6 +109,7 @@ impl RedisBackend {
     /// As [`from_url`](Self::from_url), and [`SetupError::InvalidConfig`].
     pub fn from_url_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
         config.validate()?;
+        crate::durability::validate(&config)?;
         let client = redis::Client::open(url).map_err(SetupError::InvalidUrl)?;
         let pool =
             deadpool_redis::Config::from_connection_info(client.get_connection_info().clone())
@@ -114,7 +124,9 @@ impl RedisBackend {
     /// # Errors
     ///
     /// As [`from_url`](Self::from_url), and [`SetupError::Connect`] when the
-    /// server cannot be reached or refuses the connection.
+    /// server cannot be reached or refuses the connection, and
+    /// [`SetupError::NotEnoughReplicas`] when [`RedisConfig::durability`]
+    /// waits for more replicas than the server has connected.
     ///
     /// # Cancel safety
     ///
@@ -134,17 +146,74 @@ impl RedisBackend {
     /// As [`connect`](Self::connect).
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
         let backend = Self::from_url_with(url, config)?;
-        backend
+        // Boxed: keeps the future of `connect` shallow for the compiler.
+        Box::pin(backend.check_primary()).await?;
+        Ok(backend)
+    }
+
+    /// `PING` through the backend's connection, and the replicas the
+    /// durability setting waits for: nothing is written.
+    pub(crate) async fn check_primary(&self) -> Result<(), SetupError> {
+        let available = self
             .bounded("connecting", async {
-                let mut conn = backend.connection().await?;
+                let mut conn = self.connection().await?;
                 redis::cmd("PING")
                     .query_async::<String>(&mut conn)
                     .await
-                    .map_err(map_redis_error)
+                    .map_err(map_redis_error)?;
+                connected_replicas(&mut conn).await
             })
             .await
             .map_err(SetupError::Connect)?;
-        Ok(backend)
+        match self.inner.config.durability {
+            Some(d) if d.replicas > available => Err(SetupError::NotEnoughReplicas {
+                wanted: d.replicas,
+                available,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A backend on the primary that `source` names, for
+    /// [`RedisSentinelBackend`](crate::RedisSentinelBackend). Its pool is
+    /// never used (nor handed out): every connection comes from `source`.
+    pub(crate) fn on_sentinel(
+        source: SentinelSource,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        crate::durability::validate(&config)?;
+        let unused = deadpool_redis::Config::from_url("redis://sentinel-mode.invalid")
+            .create_pool(Some(Runtime::Tokio1))
+            .map_err(SetupError::Pool)?;
+        let source = Arc::new(source);
+        let channel = format!("{}{CHANNEL}", config.prefix);
+        let subscription = config.release_notifications.then(|| {
+            Subscription::new(
+                PubSubTarget::Sentinel(Arc::clone(&source)),
+                channel.clone(),
+                config.prefix.clone(),
+                &config,
+            )
+        });
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool: unused,
+                shared: std::sync::Mutex::new(None),
+                durable: std::sync::Mutex::new(None),
+                sentinel: Some(source),
+                config,
+                channel,
+                server: "sentinel".to_owned(),
+                has_password: false,
+                subscription,
+                separate_client: None,
+                same_server: tokio::sync::OnceCell::new(),
+            }),
+        })
+    }
+
+    pub(crate) fn sentinel(&self) -> Option<&SentinelSource> {
+        self.inner.sentinel.as_deref()
     }
 
     fn build(pool: Pool, client: redis::Client, config: RedisConfig, separate: bool) -> Self {
@@ -160,13 +229,20 @@ impl RedisBackend {
         let has_password = info.redis.password.is_some();
         let channel = format!("{}{CHANNEL}", config.prefix);
         let separate_client = (separate && config.release_notifications).then(|| client.clone());
-        let subscription = config
-            .release_notifications
-            .then(|| Subscription::new(client, channel.clone(), config.prefix.clone(), &config));
+        let subscription = config.release_notifications.then(|| {
+            Subscription::new(
+                PubSubTarget::Client(client),
+                channel.clone(),
+                config.prefix.clone(),
+                &config,
+            )
+        });
         Self {
             inner: Arc::new(Inner {
                 pool,
                 shared: std::sync::Mutex::new(None),
+                durable: std::sync::Mutex::new(None),
+                sentinel: None,
                 config,
                 channel,
                 server,
@@ -227,7 +303,17 @@ impl RedisBackend {
         step: &'static str,
         work: impl Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        let limit = self.inner.config.step_timeout;
+        self.bounded_for(step, self.inner.config.step_timeout, work)
+            .await
+    }
+
+    /// Runs `work` within `limit`.
+    async fn bounded_for<T>(
+        &self,
+        step: &'static str,
+        limit: Duration,
+        work: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
         let answer = match tokio::time::timeout(limit, work).await {
             Ok(answer) => answer,
             Err(_) => Err(BackendError::timeout(step, limit)),
@@ -241,25 +327,40 @@ impl RedisBackend {
     /// The shared connection, taken from the pool if there is none. A
     /// failed checkout is [`Unavailable`](BackendErrorKind::Unavailable):
     /// the step's request was not sent.
-    async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
-        if let Some(conn) = self.shared_slot().as_ref() {
+    pub(crate) async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+        if let Some(conn) = lock_slot(&self.inner.shared).as_ref() {
             return Ok(conn.clone());
         }
-        let pooled = self.inner.pool.get().await.map_err(checkout_error)?;
-        let conn = deadpool_redis::Connection::take(pooled);
-        *self.shared_slot() = Some(conn.clone());
+        // Boxed: making a connection is a large future, which every step's
+        // own future would carry (and copy) on every call otherwise.
+        Box::pin(self.connection_in(&self.inner.shared)).await
+    }
+
+    /// The connection kept in `slot`, made if there is none: taken from
+    /// the pool, or in Sentinel mode opened to the primary the Sentinels
+    /// name now.
+    async fn connection_in(
+        &self,
+        slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
+    ) -> Result<MultiplexedConnection, BackendError> {
+        if let Some(conn) = lock_slot(slot).as_ref() {
+            return Ok(conn.clone());
+        }
+        let conn = match &self.inner.sentinel {
+            Some(source) => source.connection().await?,
+            None => {
+                let pooled = self.inner.pool.get().await.map_err(checkout_error)?;
+                deadpool_redis::Connection::take(pooled)
+            }
+        };
+        *lock_slot(slot) = Some(conn.clone());
         Ok(conn)
     }
 
-    fn shared_slot(&self) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
-        self.inner
-            .shared
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Forgets the shared connection after an error that may mean it is
-    /// broken, so the next step takes a fresh one from the pool.
+    /// Forgets the shared connections after an error that may mean they
+    /// are broken, so the next step takes a fresh one from the pool (or, in
+    /// Sentinel mode, asks the Sentinels again). `READONLY` counts: the
+    /// server was demoted to a replica, and still answers `PING`.
     fn forget_connection_after(&self, error: &BackendError) {
         let broken = error.is_timeout()
             || error
@@ -271,10 +372,64 @@ impl RedisBackend {
                         || e.is_connection_refusal()
                         || e.is_unrecoverable_error()
                         || e.is_timeout()
+                        || e.kind() == redis::ErrorKind::ReadOnly
                 });
         if broken {
-            *self.shared_slot() = None;
+            *lock_slot(&self.inner.shared) = None;
+            *lock_slot(&self.inner.durable) = None;
         }
+    }
+
+    /// The acquisition script, then `WAIT` on the same connection; when
+    /// too few replicas acknowledged, the release script, and an error.
+    async fn acquire_durably(
+        &self,
+        durability: crate::Durability,
+        keys: [&str; 2],
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<i64, BackendError> {
+        let limit = self.inner.config.step_timeout + durability.timeout;
+        self.bounded_for("acquisition", limit, async {
+            let mut conn = self.connection_in(&self.inner.durable).await?;
+            let answer: i64 = ACQUIRE
+                .key(keys[0])
+                .key(keys[1])
+                .arg(owner.as_str())
+                .arg(ttl_ms(ttl))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(map_redis_error)?;
+            if answer <= 0 {
+                return Ok(answer);
+            }
+            let acked: u32 = redis::cmd("WAIT")
+                .arg(durability.replicas)
+                .arg(ttl_ms(durability.timeout))
+                .query_async(&mut conn)
+                .await
+                .map_err(map_redis_error)?;
+            if acked >= durability.replicas {
+                return Ok(answer);
+            }
+            let released: i64 = RELEASE
+                .key(keys[0])
+                .arg(owner.as_str())
+                .arg(&self.inner.channel)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(map_redis_error)?;
+            Err(BackendError::message(
+                BackendErrorKind::Request,
+                format!(
+                    "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
+                    durability.replicas,
+                    durability.timeout,
+                    if released == 1 { "the lock was released" } else { "the lock was gone already" },
+                ),
+            ))
+        })
+        .await
     }
 
     async fn run_script(
@@ -297,6 +452,13 @@ impl RedisBackend {
         })
         .await
     }
+}
+
+fn lock_slot(
+    slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
+) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A failed pool checkout (a refused connection, a failed handshake, a
@@ -375,11 +537,11 @@ pub(crate) fn map_redis_error(error: redis::RedisError) -> BackendError {
     BackendError::new(kind, error)
 }
 
-fn ttl_ms(ttl: Duration) -> String {
+pub(crate) fn ttl_ms(ttl: Duration) -> String {
     ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
 }
 
-fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
+pub(crate) fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
     match answer {
         1 => Ok(ExtendOutcome::Extended),
         0 => Ok(ExtendOutcome::Expired),
@@ -388,7 +550,7 @@ fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
     }
 }
 
-fn unexpected(step: &str, answer: i64) -> BackendError {
+pub(crate) fn unexpected(step: &str, answer: i64) -> BackendError {
     BackendError::message(
         BackendErrorKind::Protocol,
         format!("the {step} script answered {answer}"),
@@ -445,14 +607,21 @@ impl LockBackend for RedisBackend {
     ) -> Result<AcquireOutcome, BackendError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
-        let answer = self
-            .run_script(
-                "acquisition",
-                &ACQUIRE,
-                &[&lock_key, &fence],
-                &[owner.as_str(), &ttl_ms(ttl)],
-            )
-            .await?;
+        let answer = match self.inner.config.durability {
+            // Boxed, so that the common case's future stays small.
+            Some(durability) => {
+                Box::pin(self.acquire_durably(durability, [&lock_key, &fence], owner, ttl)).await?
+            }
+            None => {
+                self.run_script(
+                    "acquisition",
+                    &ACQUIRE,
+                    &[&lock_key, &fence],
+                    &[owner.as_str(), &ttl_ms(ttl)],
+                )
+                .await?
+            }
+        };
         match u64::try_from(answer) {
             Ok(0) => Ok(AcquireOutcome::Busy),
             Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),

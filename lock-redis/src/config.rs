@@ -13,6 +13,7 @@ use std::time::Duration;
 /// | [`max_extend_batch`](Self::max_extend_batch) | 500 |
 /// | [`health_check_interval`](Self::health_check_interval) | 5 s |
 /// | [`max_reconnect_delay`](Self::max_reconnect_delay) | 2 s |
+/// | [`durability`](Self::durability) | none |
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 #[cfg_attr(
@@ -57,6 +58,13 @@ pub struct RedisConfig {
     /// Default: 2 s.
     #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub max_reconnect_delay: Duration,
+    /// After each acquisition, wait for this many replicas to acknowledge
+    /// it (`WAIT`), and count the attempt as failed, releasing the lock,
+    /// when fewer did in time: see [`Durability`](crate::Durability). For a
+    /// primary with replicas (Sentinel); not used by the cluster backend.
+    ///
+    /// Default: `None`: no waiting; a failover may lose a lock just taken.
+    pub durability: Option<crate::Durability>,
 }
 
 impl Default for RedisConfig {
@@ -68,6 +76,7 @@ impl Default for RedisConfig {
             max_extend_batch: 500,
             health_check_interval: Duration::from_secs(5),
             max_reconnect_delay: Duration::from_secs(2),
+            durability: None,
         }
     }
 }
@@ -114,6 +123,13 @@ impl RedisConfig {
     #[must_use]
     pub fn max_reconnect_delay(mut self, delay: Duration) -> Self {
         self.max_reconnect_delay = delay;
+        self
+    }
+
+    /// Sets [`durability`](Self::durability). Defaults to none.
+    #[must_use]
+    pub fn durability(mut self, durability: crate::Durability) -> Self {
+        self.durability = Some(durability);
         self
     }
 
@@ -165,4 +181,50 @@ pub enum SetupError {
     /// [`connect`](crate::RedisBackend::connect)).
     #[error("could not connect to Redis")]
     Connect(#[source] lock_core::BackendError),
+    /// A Redis Cluster backend was given no node URL.
+    #[error("no Redis Cluster node URL given")]
+    NoClusterNodes,
+    /// A node given to a Redis Cluster backend runs without cluster support
+    /// (from [`RedisClusterBackend::connect`](crate::RedisClusterBackend::connect)).
+    #[error("the Redis server at {node} is not a cluster node (cluster support disabled)")]
+    NotACluster {
+        /// The node, `host:port`.
+        node: String,
+    },
+    /// Two nodes given to a Redis Cluster backend belong to different
+    /// clusters, or one of them is not part of the cluster yet.
+    #[error(
+        "the Redis Cluster nodes disagree: {node} does not know {other} as a member of its cluster"
+    )]
+    ClusterNodesDisagree {
+        /// The node whose view was read, `host:port`.
+        node: String,
+        /// The node it does not know, `host:port`.
+        other: String,
+    },
+    /// The cluster answers but does not serve every slot.
+    #[error("the Redis Cluster is not ready: {node} reports cluster_state:{state}")]
+    ClusterNotReady {
+        /// The node that said so, `host:port`.
+        node: String,
+        /// What it reported.
+        state: String,
+    },
+    /// A Sentinel backend was given no Sentinel URL.
+    #[error("no Sentinel URL given")]
+    NoSentinels,
+    /// No Sentinel knows a master by this name.
+    #[error("no Sentinel knows a master named {name:?}")]
+    UnknownSentinelMaster {
+        /// The master name.
+        name: String,
+    },
+    /// The durability setting asks for more replicas than the primary has.
+    #[error("the durability setting waits for {wanted} replica(s), but the primary has {available} connected")]
+    NotEnoughReplicas {
+        /// Replicas the setting waits for.
+        wanted: u32,
+        /// Replicas connected to the primary now.
+        available: u32,
+    },
 }

@@ -53,6 +53,7 @@
 //! | `max_extend_batch` | 500 | leases per `extend_many` pipeline (one round trip) |
 //! | `health_check_interval` | 5 s | `PING` on the subscription connection, to notice a hung one |
 //! | `max_reconnect_delay` | 2 s | cap of the subscription's reconnect backoff (from 50 ms, doubling) |
+//! | `durability` | none | `WAIT` for this many replicas after each acquisition; fewer in time: released, attempt failed |
 //!
 //! # Wire format
 //!
@@ -92,9 +93,36 @@
 //!
 //! Every script touches the keys of one hash slot only (the lock key and its
 //! counter), so the scripts are valid on a Redis Cluster and through proxies
-//! that route by slot. This backend itself talks to one endpoint through a
-//! `deadpool_redis::Pool`. Releases use classic `PUBLISH`, which a cluster
-//! broadcasts to every node, so the one subscription may be on any node.
+//! that route by slot. [`RedisClusterBackend`] runs them on a real cluster
+//! (Redis 7.0 or later) through the `redis` crate's async cluster
+//! connection: each script on the master of its key's slot (following
+//! `MOVED` / `ASK`, one attempt per step otherwise), `extend_many` as one
+//! pipeline per master, and releases published with `SPUBLISH` on one shard
+//! channel per slot, heard with `SSUBSCRIBE` (RESP3 push) and subscribed
+//! again when a slot moves or a node fails. Same keys, values and counters
+//! as [`RedisBackend`].
+//!
+//! ```no_run
+//! use lock_redis::{Locker, RedisClusterBackend};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let backend = RedisClusterBackend::connect(["redis://10.0.0.1:7000"]).await?;
+//! let token = Locker::new(backend)
+//!     .with_lock("nightly:import", |ctx| async move { ctx.fencing_token() })
+//!     .await?;
+//! # let _ = token; Ok(()) }
+//! ```
+//!
+//! [`RedisBackend`] itself talks to one endpoint; its releases use classic
+//! `PUBLISH`, which a cluster broadcasts to every node.
+//!
+//! # Sentinel
+//!
+//! [`RedisSentinelBackend`] runs the steps of [`RedisBackend`] on the
+//! primary that Sentinel names for a master name, and follows failovers: a
+//! connection that breaks or answers `READONLY` (a demoted primary still
+//! answers `PING`) is dropped and the Sentinels are asked again.
 //!
 //! # Failover
 //!
@@ -103,11 +131,13 @@
 //! before may be gone, and another node can take it while its first holder
 //! still runs: Redis alone cannot rule this out. The defences are:
 //!
+//! - the opt-in [`Durability`] setting ([`RedisConfig::durability`]): after
+//!   each acquisition, `WAIT` for that many replicas, and count the attempt
+//!   as failed (releasing the lock) when fewer acknowledged in time;
 //! - fencing tokens: pass `ctx.fencing_token()` to the store you protect
-//!   and have it refuse writes with a token lower than one it has seen (a
-//!   promoted replica that lost a counter increment may repeat a token,
-//!   so prefer `WAIT` or `min-replicas-to-write` on the primary when this
-//!   matters);
+//!   and have it refuse writes with a token lower than one it has seen
+//!   (tokens are drawn from the server clock, so they keep increasing
+//!   across a failover to a replica that lost the counter);
 //! - loss detection: the next extension (every `ttl / 3`) finds the key
 //!   missing or someone else's and the call returns `LockError::Lost`, and
 //!   `ctx.is_lost()` / `ctx.lost()` tell the callback.
@@ -125,12 +155,17 @@
 //!
 //! | feature | what |
 //! |---|---|
-//! | `testing` | the `testing` module: a `redis-server` of a test's own to kill, restart, pause and cut, and key namespaces that clean up after themselves; for tests, never needed in a service |
+//! | `testing` | the `testing` module: a `redis-server` of a test's own to kill, restart, pause and cut, a local Redis Cluster and a Sentinel group to fail over, and key namespaces that clean up after themselves; for tests, never needed in a service |
 //! | `testcontainers` | `testing`, and it can start Redis in Docker when no `redis-server` can be started |
 
 mod admin;
 mod backend;
+mod cluster;
+mod cluster_check;
+mod cluster_subscription;
 mod config;
+mod durability;
+mod sentinel;
 pub mod slot;
 mod subscription;
 #[cfg(feature = "testing")]
@@ -138,9 +173,12 @@ pub mod testing;
 
 pub use admin::LockInfo;
 pub use backend::{RedisBackend, CHANNEL};
+pub use cluster::RedisClusterBackend;
 pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
+pub use durability::Durability;
 pub use redis;
+pub use sentinel::RedisSentinelBackend;
 
 /// The core crate, for wrappers and backend authors.
 pub use lock_core;

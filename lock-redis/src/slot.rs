@@ -71,7 +71,7 @@ pub fn fence_key(key: &str) -> String {
 }
 
 /// The smallest non-negative integer whose decimal form hashes to `slot`.
-fn slot_tag(slot: u16) -> u32 {
+pub(crate) fn slot_tag(slot: u16) -> u32 {
     // Built once, on the first key that needs it: about 16384 * 12 CRCs.
     static TABLE: LazyLock<Vec<u32>> = LazyLock::new(|| {
         let mut table = vec![u32::MAX; usize::from(SLOTS)];

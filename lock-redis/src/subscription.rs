@@ -27,8 +27,30 @@ enum State {
     Down(BackendError),
 }
 
+/// Where the subscription connection goes.
+pub(crate) enum PubSubTarget {
+    /// One server.
+    Client(redis::Client),
+    /// The primary the Sentinels name at each (re)connection.
+    Sentinel(Arc<crate::sentinel::SentinelSource>),
+}
+
+impl PubSubTarget {
+    async fn pubsub(&self) -> Result<redis::aio::PubSub, BackendError> {
+        match self {
+            Self::Client(client) => client.get_async_pubsub().await.map_err(map_redis_error),
+            Self::Sentinel(source) => source
+                .master()
+                .await?
+                .get_async_pubsub()
+                .await
+                .map_err(map_redis_error),
+        }
+    }
+}
+
 struct Shared {
-    client: redis::Client,
+    client: PubSubTarget,
     channel: String,
     prefix: String,
     hub: ReleaseHub,
@@ -48,7 +70,7 @@ pub(crate) struct Subscription {
 
 impl Subscription {
     pub(crate) fn new(
-        client: redis::Client,
+        client: PubSubTarget,
         channel: String,
         prefix: String,
         config: &crate::RedisConfig,
@@ -156,13 +178,15 @@ async fn run(shared: &Shared) {
 
 async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> {
     let connect = async {
-        let mut pubsub = shared.client.get_async_pubsub().await?;
-        pubsub.subscribe(&shared.channel).await?;
-        Ok::<_, redis::RedisError>(pubsub)
+        let mut pubsub = shared.client.pubsub().await?;
+        pubsub
+            .subscribe(&shared.channel)
+            .await
+            .map_err(map_redis_error)?;
+        Ok::<_, BackendError>(pubsub)
     };
     match tokio::time::timeout(shared.timeout, connect).await {
-        Ok(Ok(pubsub)) => Ok(pubsub),
-        Ok(Err(e)) => Err(map_redis_error(e)),
+        Ok(answer) => answer,
         Err(_) => Err(BackendError::timeout("subscribing", shared.timeout)),
     }
 }

@@ -13,6 +13,13 @@
 //!   companions alike) are deleted on drop; [`ScratchBackend`] is a backend
 //!   whose every key lives in one.
 //!
+//! - [`RedisCluster`] is a local Redis Cluster of `redis-server` children (3
+//!   masters, 3 replicas by default) to kill masters of and move slots in;
+//!   [`shared_cluster`] is one for the whole test process;
+//!   [`ScratchClusterBackend`] is a cluster backend in a [`ClusterNamespace`].
+//! - [`SentinelGroup`] is a primary, its replicas and three Sentinels, for
+//!   failovers.
+//!
 //! Nothing here ever flushes a database or touches keys it did not make.
 
 use std::io;
@@ -24,6 +31,12 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::{RedisBackend, RedisConfig};
+
+mod cluster;
+mod sentinel;
+
+pub use cluster::{shared_cluster, ClusterNamespace, RedisCluster, ScratchClusterBackend};
+pub use sentinel::{SentinelGroup, MASTER_NAME};
 
 /// The server tests use when `REDIS_URL` is not set.
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
@@ -241,9 +254,10 @@ impl RedisServer {
             .arg("-c")
             .arg(format!(
                 "while kill -0 {parent} 2>/dev/null && kill -0 {child} 2>/dev/null; do sleep 1; done; \
-                 kill -9 {child} 2>/dev/null",
+                 kill -9 {child} 2>/dev/null; kill -0 {parent} 2>/dev/null || rm -rf '{dir}'",
                 parent = std::process::id(),
                 child = child.id(),
+                dir = self.dir.display(),
             ))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

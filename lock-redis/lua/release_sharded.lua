@@ -1,0 +1,20 @@
+-- Frees a lock still held by the owner token and announces the release on
+-- the shard channel of the key's hash slot (Redis Cluster, Redis >= 7.0).
+--
+-- KEYS[1]  the lock key
+-- ARGV[1]  the owner token
+-- ARGV[2]  the release channel of KEYS[1]'s slot; the message is KEYS[1]
+--
+-- SPUBLISH reaches the subscribers of the shard that owns the slot only,
+-- where classic PUBLISH is broadcast to every node of the cluster. The
+-- channel's hash tag puts it in the key's slot, as a script may only touch
+-- its own slot.
+--
+-- Returns 1 when released, 0 when the key was not held by the owner token
+-- (nothing changed, nothing published).
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    redis.call('SPUBLISH', ARGV[2], KEYS[1])
+    return 1
+end
+return 0

@@ -1,0 +1,440 @@
+//! A local Redis Cluster for tests: `redis-server` children on free loopback
+//! ports, joined with `redis-cli --cluster create`, each killed on drop (and
+//! by its watchdog if the test process dies first).
+
+use std::io;
+use std::ops::Deref;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::RedisServer;
+use crate::{RedisClusterBackend, RedisConfig};
+
+/// A Redis Cluster of `redis-server` children: masters with replicas, no
+/// persistence, `cluster-node-timeout` 2 s (a killed master's replica is
+/// promoted in about 5 s).
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts 3 masters with one replica each and waits until every node
+    /// reports `cluster_state:ok` and knows every other node.
+    ///
+    /// # Errors
+    ///
+    /// When a server cannot be started or the cluster does not form within
+    /// 30 s.
+    pub fn start() -> io::Result<Self> {
+        Self::start_with(3, 1)
+    }
+
+    /// Starts `masters` masters with `replicas` replicas each.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with(masters: usize, replicas: usize) -> io::Result<Self> {
+        let args = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "2000",
+            "--cluster-config-file",
+            "nodes.conf",
+        ];
+        let nodes = (0..masters * (1 + replicas))
+            .map(|_| RedisServer::start_with(&args))
+            .collect::<io::Result<Vec<_>>>()?;
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &nodes {
+            create.arg(format!("127.0.0.1:{}", node.port()));
+        }
+        let output = create
+            .arg("--cluster-replicas")
+            .arg(replicas.to_string())
+            .arg("--cluster-yes")
+            .stdin(Stdio::null())
+            .output()?;
+        if !output.status.success() {
+            return Err(io::Error::other(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&output.stdout)
+            )));
+        }
+        let cluster = Self { nodes };
+        cluster.wait_ok(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    /// Every node, masters and replicas, in start order.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// The URLs of the nodes that run.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter(|n| n.pid().is_some())
+            .map(RedisServer::url)
+            .collect()
+    }
+
+    /// The node on `port`.
+    pub fn node(&self, port: u16) -> Option<&RedisServer> {
+        self.nodes.iter().find(|n| n.port() == port)
+    }
+
+    fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> io::Result<T> {
+        let mut last = io::Error::other("no node runs");
+        for node in self.nodes.iter().filter(|n| n.pid().is_some()) {
+            match node.connection().and_then(|mut c| cmd.query(&mut c)) {
+                Ok(answer) => return Ok(answer),
+                Err(e) => last = io::Error::other(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// The port of the master serving `slot`, as a running node says.
+    ///
+    /// # Errors
+    ///
+    /// When no node answers or the slot is not served.
+    pub fn master_port_of_slot(&self, slot: u16) -> io::Result<u16> {
+        let slots: Vec<redis::Value> = self.query(redis::cmd("CLUSTER").arg("SLOTS"))?;
+        for entry in slots {
+            let redis::Value::Array(fields) = entry else {
+                continue;
+            };
+            let range: Option<(u16, u16, u16)> = (|| {
+                let first = redis::from_redis_value(fields.first()?).ok()?;
+                let last = redis::from_redis_value(fields.get(1)?).ok()?;
+                let redis::Value::Array(master) = fields.get(2)? else {
+                    return None;
+                };
+                let port = redis::from_redis_value(master.get(1)?).ok()?;
+                Some((first, last, port))
+            })();
+            if let Some((first, last, port)) = range {
+                if (first..=last).contains(&slot) {
+                    return Ok(port);
+                }
+            }
+        }
+        Err(io::Error::other(format!("slot {slot} is not served")))
+    }
+
+    /// The master serving the slot of `key`.
+    ///
+    /// # Errors
+    ///
+    /// As [`master_port_of_slot`](Self::master_port_of_slot).
+    pub fn master_of_key(&self, key: &str) -> io::Result<&RedisServer> {
+        let port = self.master_port_of_slot(crate::slot::key_slot(key))?;
+        self.node(port)
+            .ok_or_else(|| io::Error::other(format!("no node on port {port}")))
+    }
+
+    /// The ports of the masters that serve slots now.
+    ///
+    /// # Errors
+    ///
+    /// When no node answers.
+    pub fn master_ports(&self) -> io::Result<Vec<u16>> {
+        let mut ports = Vec::new();
+        for slot in (0..crate::slot::SLOTS).step_by(64) {
+            let port = self.master_port_of_slot(slot)?;
+            if !ports.contains(&port) {
+                ports.push(port);
+            }
+        }
+        Ok(ports)
+    }
+
+    /// Waits until every running node says `cluster_state:ok` and knows
+    /// as many nodes as the cluster has, and every master has its replicas
+    /// in sync.
+    ///
+    /// # Errors
+    ///
+    /// When that does not happen within `limit`.
+    pub fn wait_ok(&self, limit: Duration) -> io::Result<()> {
+        let started = Instant::now();
+        loop {
+            if self.is_ok() {
+                return Ok(());
+            }
+            if started.elapsed() > limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the cluster did not reach cluster_state:ok",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn is_ok(&self) -> bool {
+        let known = self.nodes.len().to_string();
+        self.nodes.iter().filter(|n| n.pid().is_some()).all(|node| {
+            let Ok(mut conn) = node.connection() else {
+                return false;
+            };
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query(&mut conn)
+                .unwrap_or_default();
+            let replication: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut conn)
+                .unwrap_or_default();
+            let synced = !replication.contains("role:slave")
+                || replication.contains("master_link_status:up");
+            info.contains("cluster_state:ok")
+                && info.contains(&format!("cluster_known_nodes:{known}"))
+                && synced
+        })
+    }
+
+    /// Waits until a running master other than `old_port` serves `slot`
+    /// (after a failover) and the running nodes agree the cluster is ok.
+    ///
+    /// # Errors
+    ///
+    /// When that does not happen within `limit`.
+    pub fn wait_for_failover(&self, slot: u16, old_port: u16, limit: Duration) -> io::Result<u16> {
+        let started = Instant::now();
+        loop {
+            if let Ok(port) = self.master_port_of_slot(slot) {
+                let ok = self.nodes.iter().filter(|n| n.pid().is_some()).all(|n| {
+                    n.connection()
+                        .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+                        .is_ok_and(|info| info.contains("cluster_state:ok"))
+                });
+                if port != old_port && ok {
+                    return Ok(port);
+                }
+            }
+            if started.elapsed() > limit {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no replica took over slot {slot} from port {old_port}"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Moves `slot`, with its keys, from its master to the master on
+    /// `to_port`, as `redis-cli --cluster reshard` does: `SETSLOT
+    /// IMPORTING` / `MIGRATING`, `MIGRATE` of every key, then `SETSLOT NODE`
+    /// on the target, the source and every other master.
+    ///
+    /// # Errors
+    ///
+    /// When a step fails.
+    pub fn migrate_slot(&self, slot: u16, to_port: u16) -> io::Result<()> {
+        fn err(e: redis::RedisError) -> io::Error {
+            io::Error::other(e)
+        }
+        let from = self
+            .node(self.master_port_of_slot(slot)?)
+            .ok_or_else(|| io::Error::other("no source node"))?;
+        let to = self
+            .node(to_port)
+            .ok_or_else(|| io::Error::other("no target node"))?;
+        let mut src = from.connection().map_err(err)?;
+        let mut dst = to.connection().map_err(err)?;
+        let id = |conn: &mut redis::Connection| -> io::Result<String> {
+            redis::cmd("CLUSTER").arg("MYID").query(conn).map_err(err)
+        };
+        let (src_id, dst_id) = (id(&mut src)?, id(&mut dst)?);
+        let setslot = |conn: &mut redis::Connection, state: &str, node: &str| -> io::Result<()> {
+            redis::cmd("CLUSTER")
+                .arg("SETSLOT")
+                .arg(slot)
+                .arg(state)
+                .arg(node)
+                .query::<()>(conn)
+                .map_err(err)
+        };
+        setslot(&mut dst, "IMPORTING", &src_id)?;
+        setslot(&mut src, "MIGRATING", &dst_id)?;
+        loop {
+            let keys: Vec<Vec<u8>> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(100)
+                .query(&mut src)
+                .map_err(err)?;
+            if keys.is_empty() {
+                break;
+            }
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(to_port)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("KEYS")
+                .arg(keys)
+                .query::<()>(&mut src)
+                .map_err(err)?;
+        }
+        setslot(&mut dst, "NODE", &dst_id)?;
+        setslot(&mut src, "NODE", &dst_id)?;
+        for port in self.master_ports()? {
+            if port != from.port() && port != to_port {
+                if let Some(mut conn) = self.node(port).and_then(|n| n.connection().ok()) {
+                    setslot(&mut conn, "NODE", &dst_id)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One cluster for the whole test process, started on first use and killed
+/// when the process exits (by the servers' watchdogs).
+///
+/// # Panics
+///
+/// When the cluster cannot be started.
+pub fn shared_cluster() -> &'static RedisCluster {
+    static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        RedisCluster::start().unwrap_or_else(|e| panic!("no local Redis Cluster: {e}"))
+    })
+}
+
+/// A random key prefix on a cluster, `withlock-redis-test:<16 hex>:`. On
+/// drop, every key containing it is deleted on every master.
+#[derive(Debug)]
+pub struct ClusterNamespace {
+    urls: Vec<String>,
+    prefix: String,
+}
+
+impl ClusterNamespace {
+    /// A namespace nobody else uses, on the cluster whose nodes are `urls`.
+    pub fn new(urls: &[String]) -> Self {
+        Self {
+            urls: urls.to_vec(),
+            prefix: format!("withlock-redis-test:{:016x}:", rand::random::<u64>()),
+        }
+    }
+
+    /// A key in this namespace.
+    pub fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Deletes every key containing the prefix on every node that answers
+    /// (replicas refuse the deletion and follow their masters); returns how
+    /// many were deleted.
+    ///
+    /// # Errors
+    ///
+    /// When no node can be reached.
+    pub fn cleanup(&self) -> redis::RedisResult<usize> {
+        let mut deleted = 0;
+        let mut reached = false;
+        let mut last = None;
+        for url in &self.urls {
+            let conn = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)));
+            let mut conn = match conn {
+                Ok(conn) => conn,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            reached = true;
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut conn)?;
+            if !matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master") {
+                continue;
+            }
+            let pattern = format!("*{}*", self.prefix);
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query(&mut conn)?;
+                for key in batch {
+                    // One key per DEL: keys of one node may be in many slots.
+                    deleted += redis::cmd("DEL").arg(key).query::<usize>(&mut conn)?;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        match (reached, last) {
+            (false, Some(e)) => Err(e),
+            _ => Ok(deleted),
+        }
+    }
+}
+
+impl Drop for ClusterNamespace {
+    fn drop(&mut self) {
+        if let Err(error) = self.cleanup() {
+            eprintln!("cluster namespace {} not cleaned up: {error}", self.prefix);
+        }
+    }
+}
+
+/// A [`RedisClusterBackend`] whose every key is in a [`ClusterNamespace`]
+/// (its prefix), deleted when the backend is dropped.
+#[derive(Debug)]
+pub struct ScratchClusterBackend {
+    backend: RedisClusterBackend,
+    namespace: ClusterNamespace,
+}
+
+impl ScratchClusterBackend {
+    /// A backend on the cluster whose nodes are `urls`, with `config` and
+    /// the namespace's prefix.
+    ///
+    /// # Panics
+    ///
+    /// When `urls` or `config` is invalid.
+    pub fn new(urls: &[String], config: RedisConfig) -> Self {
+        let namespace = ClusterNamespace::new(urls);
+        let config = config.prefix(namespace.prefix());
+        let backend = RedisClusterBackend::from_urls_with(urls, config)
+            .unwrap_or_else(|e| panic!("scratch cluster backend: {e}"));
+        Self { backend, namespace }
+    }
+
+    /// The namespace the backend's keys live in.
+    pub fn namespace(&self) -> &ClusterNamespace {
+        &self.namespace
+    }
+}
+
+impl Deref for ScratchClusterBackend {
+    type Target = RedisClusterBackend;
+
+    fn deref(&self) -> &RedisClusterBackend {
+        &self.backend
+    }
+}
+
+lock_core::forward_lock_backend!(ScratchClusterBackend => backend);

@@ -1,0 +1,221 @@
+//! `RedisClusterBackend` on a local Redis Cluster (3 masters, 3 replicas,
+//! shared by this binary's tests, namespaced keys): keys land on every
+//! master with their counters beside them, extensions are batched per node,
+//! releases wake waiters over sharded pub/sub, and bad configuration is
+//! refused with an error that names what is wrong.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use common::{node, within};
+use lock_core::{
+    AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, OwnerToken,
+};
+use lock_redis::slot::key_slot;
+use lock_redis::testing::{shared_cluster, RedisServer, ScratchClusterBackend};
+use lock_redis::{RedisClusterBackend, RedisConfig, SetupError};
+
+const LIMIT: Duration = Duration::from_secs(20);
+const TTL: Duration = Duration::from_secs(30);
+
+/// 64 keys are spread over all three masters; each lock and its fencing
+/// counter live on the master of the key's slot; one `extend_many` extends
+/// them all; releases free them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_spread_over_every_master_with_their_counters() {
+    let cluster = shared_cluster();
+    let backend = ScratchClusterBackend::new(&cluster.urls(), RedisConfig::default());
+    let mut leases = Vec::new();
+    let mut masters = HashSet::new();
+    for i in 0..64 {
+        let key = format!("spread:{i}");
+        let owner = OwnerToken::new("spread");
+        let AcquireOutcome::Acquired { fencing_token } =
+            backend.try_acquire(&key, &owner, TTL).await.unwrap()
+        else {
+            panic!("{key} is free");
+        };
+        let lock_key = backend.lock_key(&key);
+        let master = cluster.master_of_key(&lock_key).unwrap();
+        masters.insert(master.port());
+        let mut conn = redis::Client::open(master.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let (value, counter): (Option<String>, Option<u64>) = redis::pipe()
+            .get(&lock_key)
+            .get(backend.fence_key(&key))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            value.as_deref(),
+            Some(owner.as_str()),
+            "{key} on its master"
+        );
+        assert_eq!(counter, Some(fencing_token), "{key}'s counter beside it");
+        assert_eq!(key_slot(&backend.channel(&key)), key_slot(&lock_key));
+        leases.push(Lease::new(key, owner, fencing_token));
+    }
+    assert_eq!(masters.len(), 3, "keys on every master: {masters:?}");
+
+    let requests: Vec<_> = leases
+        .iter()
+        .map(|lease| ExtendRequest {
+            lease: lease.clone(),
+            ttl: TTL,
+        })
+        .collect();
+    assert_eq!(
+        backend.extend_many(&requests).await.unwrap(),
+        vec![ExtendOutcome::Extended; 64]
+    );
+    // A lease that is not held anymore answers in its place in the batch.
+    let mut mixed = requests.clone();
+    mixed[7].lease = Lease::new(leases[7].key(), OwnerToken::new("other"), 1);
+    let outcomes = backend.extend_many(&mixed).await.unwrap();
+    assert_eq!(outcomes[7], ExtendOutcome::Taken);
+    assert_eq!(
+        outcomes
+            .iter()
+            .filter(|o| **o == ExtendOutcome::Extended)
+            .count(),
+        63
+    );
+    for lease in &leases {
+        assert_eq!(
+            backend.release(lease).await.unwrap(),
+            lock_core::ReleaseOutcome::Released
+        );
+    }
+}
+
+/// A waiter with a 30 s retry delay gets a key released on another node
+/// within milliseconds: the release is published with `SPUBLISH` on the
+/// key's shard channel, which the waiter's backend subscribed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_a_waiter_over_sharded_pub_sub() {
+    let cluster = shared_cluster();
+    let holder_backend = ScratchClusterBackend::new(&cluster.urls(), RedisConfig::default());
+    let config = RedisConfig::default().prefix(holder_backend.namespace().prefix());
+    let waiter_backend = RedisClusterBackend::from_urls_with(cluster.urls(), config).unwrap();
+    let holder = node(holder_backend, "holder");
+    let waiter = node(waiter_backend.clone(), "waiter");
+    for round in 0..3 {
+        let key = format!("wake:{round}");
+        let mut held = holder.handle(&key, TTL).unwrap();
+        assert!(held.acquire().await.unwrap());
+        let slow = LockConfig::default()
+            .wait_forever()
+            .retry_delay(Duration::from_secs(30));
+        let w = waiter.clone();
+        let k = key.clone();
+        let waiting = tokio::spawn(async move {
+            w.with_lock_config(&k, &slow, |_| async { Instant::now() })
+                .await
+        });
+        within(LIMIT, "subscription", async {
+            while !waiter_backend.is_subscribed() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released_at = Instant::now();
+        assert!(held.release().await.unwrap());
+        let ran_at = within(LIMIT, "woken waiter", waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        let lag = ran_at - released_at;
+        assert!(lag < Duration::from_secs(2), "woken after {lag:?}");
+    }
+}
+
+fn closed_port_url() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("redis://127.0.0.1:{port}")
+}
+
+/// Bad configuration is refused by `connect` with an error that names what
+/// is wrong, and nothing is touched: no node answers, a node without
+/// cluster support, nodes of two clusters, a cluster that serves no slot,
+/// an empty list. `from_urls` is lazy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_cluster_configuration_is_refused_with_a_clear_error() {
+    let cluster = shared_cluster();
+    assert!(matches!(
+        RedisClusterBackend::from_urls(Vec::<String>::new()),
+        Err(SetupError::NoClusterNodes)
+    ));
+    assert!(matches!(
+        RedisClusterBackend::from_urls(["not a url"]),
+        Err(SetupError::InvalidUrl(_))
+    ));
+    let nowhere = closed_port_url();
+    assert!(
+        RedisClusterBackend::from_urls([&nowhere]).is_ok(),
+        "from_urls is lazy"
+    );
+    let err = RedisClusterBackend::connect([&nowhere, &closed_port_url()])
+        .await
+        .expect_err("no node answers");
+    assert!(matches!(err, SetupError::Connect(_)), "{err:?}");
+
+    let standalone = RedisServer::start().unwrap();
+    let err = RedisClusterBackend::connect([standalone.url()])
+        .await
+        .expect_err("not a cluster node");
+    let message = err.to_string();
+    assert!(
+        matches!(&err, SetupError::NotACluster { node } if node.ends_with(&standalone.port().to_string())),
+        "{err:?}"
+    );
+    assert!(message.contains("cluster support disabled"), "{message}");
+
+    // A cluster-enabled node that joined no cluster: a cluster of its own,
+    // serving no slot.
+    let lone = RedisServer::start_cluster_enabled().unwrap();
+    let mut urls = cluster.urls();
+    urls.push(lone.url());
+    let err = RedisClusterBackend::connect(&urls)
+        .await
+        .expect_err("nodes of two clusters");
+    assert!(
+        matches!(err, SetupError::ClusterNodesDisagree { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("disagree"), "{err}");
+    let err = RedisClusterBackend::connect([lone.url()])
+        .await
+        .expect_err("no slot served");
+    assert!(
+        matches!(&err, SetupError::ClusterNotReady { state, .. } if state == "fail"),
+        "{err:?}"
+    );
+
+    // The real cluster, from any one of its nodes.
+    let backend = RedisClusterBackend::connect([cluster.urls()[4].clone()])
+        .await
+        .expect("a node of a healthy cluster");
+    assert!(format!("{backend:?}").contains("RedisClusterBackend"));
+}
+
+/// A password never shows in `Debug`.
+#[test]
+fn debug_never_shows_the_password() {
+    let backend = RedisClusterBackend::from_urls(["redis://:hunter2@127.0.0.1:7000"]).unwrap();
+    let debug = format!("{backend:?}");
+    assert!(!debug.contains("hunter2"), "{debug}");
+    assert!(
+        debug.contains("<redacted>") && debug.contains("127.0.0.1:7000"),
+        "{debug}"
+    );
+}

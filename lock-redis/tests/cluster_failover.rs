@@ -1,0 +1,264 @@
+//! Faults of a real Redis Cluster while locks are held and wanted, each on a
+//! cluster of the test's own (3 masters, 3 replicas): a master killed
+//! (SIGKILL) and replaced by its replica, and a slot moved to another master
+//! under a held lock and a subscribed waiter.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{node, within};
+use lock_core::{LockConfig, LockError, Locker};
+use lock_redis::slot::key_slot;
+use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
+use lock_redis::{RedisClusterBackend, RedisConfig};
+use tokio::sync::{oneshot, watch};
+
+const LIMIT: Duration = Duration::from_secs(40);
+
+/// One held lock: whether its holder is inside its critical section and
+/// not told of a loss, and the token it ran with.
+struct Held {
+    key: String,
+    inside: Arc<AtomicBool>,
+    token: u64,
+    call: tokio::task::JoinHandle<Result<bool, LockError>>,
+}
+
+/// Takes `key` on `locker` and keeps it until `stop` says so; the call
+/// gives whether the lock was still held at the end.
+async fn hold(locker: &Locker, key: &str, ttl: Duration, stop: &watch::Receiver<bool>) -> Held {
+    let inside = Arc::new(AtomicBool::new(false));
+    let (started, running) = oneshot::channel();
+    let (locker, k, flag, mut stop) = (
+        locker.clone(),
+        key.to_owned(),
+        Arc::clone(&inside),
+        stop.clone(),
+    );
+    let call = tokio::spawn(async move {
+        locker
+            .with_lock_config(&k, &LockConfig::default().ttl(ttl), move |ctx| async move {
+                flag.store(true, Ordering::SeqCst);
+                let _ = started.send(ctx.fencing_token());
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => {}
+                    _ = ctx.lost() => {}
+                }
+                flag.store(false, Ordering::SeqCst);
+                ctx.is_held()
+            })
+            .await
+    });
+    let token = within(LIMIT, "holder start", running).await.unwrap();
+    Held {
+        key: key.to_owned(),
+        inside,
+        token,
+        call,
+    }
+}
+
+/// Waits for `key` on `locker`; its callback checks that no holder is
+/// inside (untold of a loss) and gives its token.
+fn wait_for(
+    locker: &Locker,
+    key: &str,
+    inside: Arc<AtomicBool>,
+    retry_delay: Duration,
+) -> tokio::task::JoinHandle<Result<(u64, Instant), LockError>> {
+    let (locker, key) = (locker.clone(), key.to_owned());
+    let cfg = LockConfig::default()
+        .wait_forever()
+        .retry_delay(retry_delay);
+    tokio::spawn(async move {
+        locker
+            .with_lock_config(&key, &cfg, move |ctx| async move {
+                assert!(
+                    !inside.load(Ordering::SeqCst),
+                    "two holders: the first was not told of a loss"
+                );
+                (ctx.fencing_token(), Instant::now())
+            })
+            .await
+    })
+}
+
+/// Keys of the test, each named `<prefix>` + `name`, whose slots are
+/// served by `port` (`on = true`) or by another master.
+fn keys_served(
+    cluster: &RedisCluster,
+    backend: &RedisClusterBackend,
+    port: u16,
+    on: bool,
+    n: usize,
+) -> Vec<String> {
+    (0..)
+        .map(|i| format!("k{i}"))
+        .filter(|k| {
+            let served = cluster
+                .master_port_of_slot(key_slot(&backend.lock_key(k)))
+                .unwrap();
+            (served == port) == on
+        })
+        .take(n)
+        .collect()
+}
+
+/// SIGKILL of a master that holds locks with waiters on them: its replica
+/// is promoted (about 5 s); each lock there is either kept (its extensions
+/// resume on the new master) or reported lost, never silently doubled;
+/// locks on other masters are untouched; waiters get every key after its
+/// holder lets go, with greater fencing tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
+    let cluster = Arc::new(RedisCluster::start().unwrap());
+    let urls = cluster.urls();
+    let scratch = ScratchClusterBackend::new(&urls, RedisConfig::default());
+    let config = RedisConfig::default().prefix(scratch.namespace().prefix());
+    let other = RedisClusterBackend::from_urls_with(&urls, config).unwrap();
+    let masters = cluster.master_ports().unwrap();
+    let victim = masters[0];
+    let mut keys = keys_served(&cluster, &scratch, victim, true, 4);
+    let victim_slot = key_slot(&scratch.lock_key(&keys[0]));
+    keys.extend(keys_served(&cluster, &scratch, victim, false, 2));
+    let holder = node(scratch, "holder");
+    let waiter = node(other, "waiter");
+    let (stop, stopped) = watch::channel(false);
+    // A ttl well above the failover time: the lock stays valid meanwhile.
+    let ttl = Duration::from_secs(12);
+    let mut held = Vec::new();
+    for key in &keys {
+        held.push(hold(&holder, key, ttl, &stopped).await);
+    }
+    let waiters: Vec<_> = held
+        .iter()
+        .map(|h| {
+            wait_for(
+                &waiter,
+                &h.key,
+                Arc::clone(&h.inside),
+                Duration::from_millis(200),
+            )
+        })
+        .collect();
+    // Let the waiters find the keys held and the writes reach the replicas.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+
+    let killed_at = Instant::now();
+    cluster.node(victim).unwrap().kill();
+    let new_master = {
+        let cluster = Arc::clone(&cluster);
+        tokio::task::spawn_blocking(move || {
+            cluster.wait_for_failover(victim_slot, victim, Duration::from_secs(30))
+        })
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    eprintln!(
+        "replica on port {new_master} promoted after {:?}",
+        killed_at.elapsed()
+    );
+    // Two extension rounds (ttl / 3 each) on the new master.
+    tokio::time::sleep(ttl * 2 / 3).await;
+    let _ = stop.send(true);
+    for (i, h) in held.iter_mut().enumerate() {
+        let kept = within(LIMIT, "holder end", &mut h.call).await.unwrap();
+        if i >= 4 {
+            assert!(
+                matches!(kept, Ok(true)),
+                "{} on a live master: {kept:?}",
+                h.key
+            );
+        }
+        match kept {
+            Ok(held_to_the_end) => eprintln!("{}: kept ({held_to_the_end})", h.key),
+            Err(e) => {
+                assert!(e.is_lost(), "{}: {e:?}", h.key);
+                eprintln!("{}: reported lost: {e:?}", h.key);
+            }
+        }
+    }
+    for (h, w) in held.iter().zip(waiters) {
+        let (token, _) = within(LIMIT, "waiter", w).await.unwrap().unwrap();
+        assert!(
+            token > h.token,
+            "{}: token {token} after {}",
+            h.key,
+            h.token
+        );
+    }
+}
+
+/// A slot holding a held lock and a subscribed waiter moves to another
+/// master (`SETSLOT IMPORTING/MIGRATING`, `MIGRATE`, `SETSLOT NODE`): the
+/// holder's extensions keep working across the move, the server's
+/// `SUNSUBSCRIBE` makes the waiter's backend subscribe again on the new
+/// master, and the waiter, whose retry delay is 3 s, gets the key within a
+/// second of its release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_slot_keeps_its_lock_and_wakes_its_waiter() {
+    let cluster = Arc::new(RedisCluster::start().unwrap());
+    let urls = cluster.urls();
+    let scratch = ScratchClusterBackend::new(&urls, RedisConfig::default());
+    let config = RedisConfig::default().prefix(scratch.namespace().prefix());
+    let other = RedisClusterBackend::from_urls_with(&urls, config).unwrap();
+    let key = "moving".to_owned();
+    let lock_key = scratch.lock_key(&key);
+    let slot = key_slot(&lock_key);
+    let from = cluster.master_port_of_slot(slot).unwrap();
+    let to = *cluster
+        .master_ports()
+        .unwrap()
+        .iter()
+        .find(|p| **p != from)
+        .unwrap();
+    let holder = node(scratch, "holder");
+    let waiter = node(other.clone(), "waiter");
+    let (stop, stopped) = watch::channel(false);
+    // Extensions every 500 ms while the slot moves.
+    let mut h = hold(&holder, &key, Duration::from_millis(1500), &stopped).await;
+    let retry_delay = Duration::from_secs(3);
+    let w = wait_for(&waiter, &key, Arc::clone(&h.inside), retry_delay);
+    within(LIMIT, "subscription", async {
+        while !other.is_subscribed() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    {
+        let cluster = Arc::clone(&cluster);
+        tokio::task::spawn_blocking(move || cluster.migrate_slot(slot, to))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert_eq!(
+        cluster.master_port_of_slot(slot).unwrap(),
+        to,
+        "the slot moved"
+    );
+    // Several extensions on the new master; resubscription in between.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert!(
+        h.inside.load(Ordering::SeqCst),
+        "the holder still holds the key"
+    );
+    let released_at = Instant::now();
+    let _ = stop.send(true);
+    let kept = within(LIMIT, "holder end", &mut h.call).await.unwrap();
+    assert!(kept.unwrap(), "the lock was held to the end");
+    let (token, ran_at) = within(LIMIT, "waiter", w).await.unwrap().unwrap();
+    let lag = ran_at - released_at;
+    eprintln!("waiter ran {lag:?} after the release on the new master");
+    assert!(
+        lag < Duration::from_secs(1),
+        "woken after {lag:?} (retry delay {retry_delay:?})"
+    );
+    assert!(token > h.token);
+}
