@@ -111,7 +111,10 @@ async fn giving_up(nodes: &[Locker; 3]) -> Result {
     let ran = Arc::new(AtomicBool::new(false));
     let config = LockConfig::default()
         .retry_attempts(2)
-        .retry_delay(Duration::from_millis(50));
+        .retry_delay(Duration::from_millis(50))
+        // An exact grid, so the wait is easy to check here; by default each
+        // delay moves at random by up to 100 ms (capped at the delay).
+        .retry_jitter(Duration::ZERO);
     let started = Instant::now();
     let ran_in_callback = ran.clone();
     let outcome = nodes[1]
