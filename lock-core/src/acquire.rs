@@ -16,6 +16,7 @@ use crate::held::{HeldLock, Holder};
 use crate::locker::{Inner, Locker};
 use crate::metrics::{Acquisition, Step, Stopwatch};
 use crate::notify::ReleaseWatch;
+use crate::registry::Registry;
 use crate::task::{finish_even_if_dropped, never};
 
 impl Inner {
@@ -31,12 +32,13 @@ impl Inner {
         owner: &OwnerToken,
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
-        let backend = Arc::clone(&self.backend);
-        let (k, o) = (Arc::clone(key), owner.clone());
-        let step = async move { backend.try_acquire(&k, &o, ttl).await };
-        let registry = Arc::clone(&self.registry);
-        let (k, o) = (Arc::clone(key), owner.clone());
-        let orphan = move |answer: Result<AcquireOutcome, BackendError>| match answer {
+        let (registry, k, o) = (Arc::clone(&self.registry), Arc::clone(key), owner.clone());
+        // The step hands what it owns back with its answer, for the orphan.
+        let step = async move {
+            let answer = registry.backend.try_acquire(&k, &o, ttl).await;
+            (answer, registry, k, o)
+        };
+        let orphan = move |(answer, registry, k, o): (_, Arc<Registry>, Arc<str>, _)| match answer {
             Ok(AcquireOutcome::Acquired { fencing_token }) => {
                 registry
                     .owe_release(Lease::new(k, o, fencing_token))
@@ -44,13 +46,14 @@ impl Inner {
             }
             Ok(AcquireOutcome::Busy) => {}
             Err(error) => {
+                let error: BackendError = error;
                 registry.meter.backend_error(&k, Step::TryAcquire);
                 if error.may_have_reached_store() {
                     registry.cleanup.add(&registry, &k, o, Instant::now() + ttl);
                 }
             }
         };
-        let answer = finish_even_if_dropped(step, orphan).await;
+        let (answer, ..) = finish_even_if_dropped(step, orphan).await;
         if let Err(error) = &answer {
             self.registry.meter.backend_error(key, Step::TryAcquire);
             if error.may_have_reached_store() {
@@ -126,7 +129,9 @@ impl Holding {
         self.armed = false;
         let owed = self.inner.registry.take_for_release(self.id)?;
         let deadline = self.held.valid_until();
-        let answer = finish_even_if_dropped(owed.send_until(deadline), |_| {}).await;
+        // Dropped before the answer, it sends the release again in the
+        // background: a release can be repeated.
+        let answer = owed.sent_again_if_dropped().send_until(deadline).await;
         drop(self.pass.take());
         Some(answer)
     }
@@ -161,8 +166,14 @@ impl Locker {
         config: &LockConfig,
     ) -> Result<Holding, LockError> {
         let inner = self.inner();
-        let span = tracing::debug_span!("acquire", key = %key);
+        // Not even made when nobody listens: its fields cost.
+        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!("acquire", key = %key)
+        } else {
+            tracing::Span::none()
+        };
         let since = Stopwatch::start();
+        let gate_key = inner.gates.key(key);
         let acquired = async move {
             let limit = match config.retry_attempts {
                 RetryAttempts::Limited(n) => Some(n),
@@ -170,25 +181,27 @@ impl Locker {
             };
             let exhausted = |counted: u32| limit.is_some_and(|n| counted > n);
             let mut counted: u32 = 0;
-            let mut next_slot = Instant::now();
+            // When the next attempt that counts is due: at once, so the
+            // first attempt's send time when it does not wait in line.
+            let mut next_slot = None;
 
             // [A6] Another task of this locker holds or tries the key: wait
             // in line. Each slot that passes counts as an attempt that found
             // the key busy, so the give-up time stays as configured.
-            let pass = match inner.gates.enter(key) {
+            let pass = match inner.gates.enter(gate_key) {
                 Ok(pass) => pass,
                 Err(mut place) => loop {
                     tokio::select! {
                         biased;
                         pass = place.wait() => break pass,
                         () = inner.shutdown.started() => return never().await,
-                        () = tokio::time::sleep_until(next_slot) => {
+                        () = tokio::time::sleep_until(*next_slot.get_or_insert_with(Instant::now)) => {
                             counted += 1;
                             if exhausted(counted) {
                                 tracing::debug!(attempts = counted, "not acquired: held by another task of this node");
                                 return Err(not_acquired(key, counted, None));
                             }
-                            next_slot += config.retry_delay;
+                            next_slot = next_slot.map(|slot| slot + config.retry_delay);
                         }
                     }
                 },
@@ -206,7 +219,8 @@ impl Locker {
                 }
                 let owner = OwnerToken::new(&inner.node_id);
                 let sent_at = Instant::now();
-                let slot_due = sent_at >= next_slot;
+                let next_slot = next_slot.get_or_insert(sent_at);
+                let slot_due = sent_at >= *next_slot;
                 let answer = inner.attempt(key, &owner, config.ttl).await;
                 if let Some(woken) = woken.take() {
                     inner.registry.meter.notification_lag(key, &woken);
@@ -214,7 +228,10 @@ impl Locker {
                 let busy = match answer {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
-                        match inner.hold(lease, config.ttl, sent_at, Holder::Callback).await {
+                        match inner
+                            .hold(lease, config.ttl, sent_at, Holder::Callback)
+                            .await
+                        {
                             Ok((id, held)) => {
                                 return Ok(Holding {
                                     inner: Arc::clone(inner),
@@ -243,7 +260,7 @@ impl Locker {
                         tracing::debug!(attempts = counted, "not acquired");
                         return Err(not_acquired(key, counted, last_error.take()));
                     }
-                    next_slot = sent_at.max(next_slot) + config.jittered_delay();
+                    *next_slot = sent_at.max(*next_slot) + config.jittered_delay();
                 }
                 // A failing store would fail the subscription too: watch
                 // only once the key was found held.
@@ -268,12 +285,17 @@ impl Locker {
                     biased;
                     () = inner.shutdown.started() => return never().await,
                     () = released(&mut watch) => woken = Some(Stopwatch::start()),
-                    () = tokio::time::sleep_until(next_slot) => {}
+                    () = tokio::time::sleep_until(*next_slot) => {}
                 }
             }
-        }
-        .instrument(span)
-        .await;
+        };
+        // Entering and leaving a span at every poll costs even when nobody
+        // listens.
+        let acquired = if span.is_disabled() {
+            acquired.await
+        } else {
+            acquired.instrument(span).await
+        };
         let outcome = Acquisition::of(&acquired);
         inner.registry.meter.acquisition(key, outcome, &since);
         acquired

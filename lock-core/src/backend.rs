@@ -28,14 +28,29 @@ impl OwnerToken {
     /// Draws a new token for `node_id`.
     pub fn new(node_id: &str) -> Self {
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        let mut value = String::with_capacity(node_id.len() + 33);
-        value.push_str(node_id);
-        value.push('/');
-        let bits = rand::random::<u128>();
-        for i in (0..32).rev() {
-            value.push(char::from(HEX[((bits >> (i * 4)) & 0xf) as usize]));
+        // Built on the stack, so that the token costs one allocation, the
+        // shared string's.
+        let mut buf = [0u8; 128];
+        let len = node_id.len() + 33;
+        let Some(value) = buf.get_mut(..len) else {
+            let mut value = String::with_capacity(len);
+            value.push_str(node_id);
+            value.push_str(&Self::new("").0);
+            return Self(value.into());
+        };
+        let (node, secret) = value.split_at_mut(node_id.len());
+        node.copy_from_slice(node_id.as_bytes());
+        secret[0] = b'/';
+        let mut bits = rand::random::<u128>();
+        for digit in secret[1..].iter_mut().rev() {
+            *digit = HEX[(bits & 0xf) as usize];
+            bits >>= 4;
         }
-        Self(value.into())
+        match std::str::from_utf8(value) {
+            Ok(value) => Self(value.into()),
+            // A node id cut nowhere and ASCII digits: always UTF-8.
+            Err(_) => Self::from_value(format!("{node_id}{}", &Self::new("").0)),
+        }
     }
 
     /// Wraps a value read back from a backend, such as one written by another
@@ -249,9 +264,9 @@ impl Capabilities {
 /// dropped `try_acquire` may have taken the key (the driver releases it with
 /// the same owner token), a dropped `extend` or `release` may or may not have
 /// been applied. The driver polls each acquisition and release in place;
-/// when its caller is dropped with the step still pending, the step goes on
-/// to its end in a task of its own, so a dropped `with_lock` never strands a
-/// lock.
+/// when its caller is dropped with the step still pending, an acquisition
+/// goes on to its end in a task of its own, and a release is sent again in
+/// one, so a dropped `with_lock` never strands a lock.
 #[async_trait]
 pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// What this backend can do beyond the required steps.

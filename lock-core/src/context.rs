@@ -121,13 +121,12 @@ impl fmt::Debug for LockContext {
     }
 }
 
-/// The locks the current task holds, innermost first.
+/// The locks the current task holds, innermost first. The outermost lock
+/// of a task is held inline: only a nested one costs an allocation.
 #[derive(Clone, Default)]
-pub(crate) struct Chain(Option<Arc<Link>>);
-
-struct Link {
-    ctx: LockContext,
-    parent: Chain,
+pub(crate) struct Chain {
+    ctx: Option<LockContext>,
+    parent: Option<Arc<Chain>>,
 }
 
 tokio::task_local! {
@@ -140,16 +139,22 @@ impl Chain {
     }
 
     fn push(self, ctx: LockContext) -> Self {
-        Self(Some(Arc::new(Link { ctx, parent: self })))
+        let parent = self.ctx.is_some().then(|| Arc::new(self));
+        Self {
+            ctx: Some(ctx),
+            parent,
+        }
     }
 
     fn find(&self, locker_id: u64, key: &str) -> Option<LockContext> {
-        let mut link = self.0.as_deref();
-        while let Some(l) = link {
-            if l.ctx.held.locker_id == locker_id && l.ctx.held.lease.key() == key {
-                return Some(l.ctx.clone());
+        let mut chain = Some(self);
+        while let Some(c) = chain {
+            if let Some(ctx) = &c.ctx {
+                if ctx.held.locker_id == locker_id && ctx.held.lease.key() == key {
+                    return Some(ctx.clone());
+                }
             }
-            link = l.parent.0.as_deref();
+            chain = c.parent.as_deref();
         }
         None
     }

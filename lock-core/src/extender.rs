@@ -1,8 +1,10 @@
 //! The one extender task per locker that keeps its callbacks' locks alive
 //! \[H1, L1, L2, P4\].
 //!
-//! Locks are kept in one schedule ordered by when they are due. The
-//! extender sleeps until the first is due, then sends every lock due within
+//! Locks are kept in one schedule ordered by when they are due, entered
+//! there when the extender next looks (a lock released before that costs
+//! no schedule entry and no wake-up). The extender sleeps until the first
+//! is due, then sends every lock due within
 //! a twelfth of its ttl in batches of [`Capabilities::max_extend_batch`], each
 //! batch one backend call in a task of its own, so a stalled call cannot hold
 //! up the others. Holding 10,000 locks costs one timer and, per ttl / 3,
@@ -93,6 +95,7 @@ struct Batch {
 /// ran out before an extension could be sent, and says when to wake next.
 fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) {
     let mut s = registry.lock();
+    s.schedule_taken();
     let mut batches = Vec::new();
     let mut lost = Vec::new();
     let mut current = Batch::default();
@@ -136,7 +139,17 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
     if !current.ids.is_empty() {
         batches.push(current);
     }
-    let next = s.schedule.first().map(|(d, _)| *d);
+    // With nothing to extend right after locks were taken (most are
+    // released before a first extension), look again in a quarter of a
+    // ttl rather than wait to be woken: the locks taken meanwhile are due
+    // later, so taking them wakes nobody. Only a look that saw no lock
+    // taken since the last one lets the extender sleep until woken.
+    let next = match s.schedule.first() {
+        Some(&(due, _)) => Some(due),
+        None if s.taken_since_look => Some(now + s.last_ttl / 4),
+        None => None,
+    };
+    s.taken_since_look = false;
     s.extender_wakes_at = next;
     drop(s);
     if !lost.is_empty() {

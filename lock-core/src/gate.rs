@@ -5,16 +5,62 @@
 //! backend for that key, then holds the lock. The others wait in arrival
 //! order; dropping the pass hands it to the next one.
 
+use std::collections::hash_map::{Entry, RandomState};
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::oneshot;
 
-type Queues = HashMap<Arc<str>, VecDeque<oneshot::Sender<()>>>;
+type Queues = HashMap<GateKey, VecDeque<oneshot::Sender<()>>, BuildHasherDefault<Hashed>>;
+
+/// A key with its hash, computed once per call (with the randomly keyed
+/// SipHash of the standard library, as keys come from users) and reused by
+/// every look-up of the call.
+#[derive(Clone)]
+pub(crate) struct GateKey {
+    hash: u64,
+    key: Arc<str>,
+}
+
+impl PartialEq for GateKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.key == other.key
+    }
+}
+
+impl Eq for GateKey {}
+
+impl Hash for GateKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+/// Passes on the hash a [`GateKey`] carries.
+#[derive(Default)]
+struct Hashed(u64);
+
+impl Hasher for Hashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
+}
 
 #[derive(Default)]
 pub(crate) struct Gates {
     queues: Mutex<Queues>,
+    hasher: RandomState,
 }
 
 impl Gates {
@@ -22,39 +68,50 @@ impl Gates {
         self.queues.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// `key`, hashed for this locker's wait lists.
+    pub(crate) fn key(&self, key: &Arc<str>) -> GateKey {
+        GateKey {
+            hash: self.hasher.hash_one(&**key),
+            key: Arc::clone(key),
+        }
+    }
+
     /// Takes the pass of `key` at once, or queues for it.
-    pub(crate) fn enter(self: &Arc<Self>, key: &Arc<str>) -> Result<GatePass, GateWait> {
+    pub(crate) fn enter(self: &Arc<Self>, key: GateKey) -> Result<GatePass, GateWait> {
         let mut queues = self.lock();
-        match queues.get_mut(key) {
-            None => {
-                queues.insert(Arc::clone(key), VecDeque::new());
+        match queues.entry(key) {
+            Entry::Vacant(place) => {
+                let key = place.key().clone();
+                place.insert(VecDeque::new());
                 Ok(GatePass {
                     gates: Arc::clone(self),
-                    key: Arc::clone(key),
+                    key,
                 })
             }
-            Some(queue) => {
+            Entry::Occupied(mut queue) => {
                 let (tx, rx) = oneshot::channel();
-                queue.push_back(tx);
+                queue.get_mut().push_back(tx);
                 Err(GateWait {
                     rx: Some(rx),
                     gates: Arc::clone(self),
-                    key: Arc::clone(key),
+                    key: queue.key().clone(),
                 })
             }
         }
     }
 
-    fn hand_over(queues: &mut Queues, key: &str) {
-        let Some(queue) = queues.get_mut(key) else {
+    fn hand_over(queues: &mut Queues, key: &GateKey) {
+        // Taken out and put back only when somebody waits: the common case,
+        // nobody, costs one look-up.
+        let Some(mut queue) = queues.remove(key) else {
             return;
         };
         while let Some(next) = queue.pop_front() {
             if next.send(()).is_ok() {
+                queues.insert(key.clone(), queue);
                 return;
             }
         }
-        queues.remove(key);
     }
 
     #[cfg(test)]
@@ -66,7 +123,7 @@ impl Gates {
 /// The right to try the backend for one key and to hold its lock.
 pub(crate) struct GatePass {
     gates: Arc<Gates>,
-    key: Arc<str>,
+    key: GateKey,
 }
 
 impl Drop for GatePass {
@@ -79,7 +136,7 @@ impl Drop for GatePass {
 pub(crate) struct GateWait {
     rx: Option<oneshot::Receiver<()>>,
     gates: Arc<Gates>,
-    key: Arc<str>,
+    key: GateKey,
 }
 
 impl GateWait {
@@ -98,7 +155,7 @@ impl GateWait {
         }
         GatePass {
             gates: Arc::clone(&self.gates),
-            key: Arc::clone(&self.key),
+            key: self.key.clone(),
         }
     }
 }
@@ -124,11 +181,11 @@ mod tests {
     #[tokio::test]
     async fn passes_go_in_arrival_order_and_skip_dropped_places() {
         let gates = Arc::new(Gates::default());
-        let key: Arc<str> = "k".into();
-        let first = gates.enter(&key).ok().unwrap();
-        let mut second = gates.enter(&key).err().unwrap();
-        let third = gates.enter(&key).err().unwrap();
-        let mut fourth = gates.enter(&key).err().unwrap();
+        let key = gates.key(&"k".into());
+        let first = gates.enter(key.clone()).ok().unwrap();
+        let mut second = gates.enter(key.clone()).err().unwrap();
+        let third = gates.enter(key.clone()).err().unwrap();
+        let mut fourth = gates.enter(key).err().unwrap();
         drop(third);
         drop(first);
         let pass2 = tokio::time::timeout(Duration::from_secs(1), second.wait())
@@ -152,10 +209,10 @@ mod tests {
     #[tokio::test]
     async fn a_pass_that_reached_a_dropped_waiter_moves_on() {
         let gates = Arc::new(Gates::default());
-        let key: Arc<str> = "k".into();
-        let first = gates.enter(&key).ok().unwrap();
-        let second = gates.enter(&key).err().unwrap();
-        let mut third = gates.enter(&key).err().unwrap();
+        let key = gates.key(&"k".into());
+        let first = gates.enter(key.clone()).ok().unwrap();
+        let second = gates.enter(key.clone()).err().unwrap();
+        let mut third = gates.enter(key).err().unwrap();
         drop(first); // the pass is now in `second`'s channel, unread
         drop(second);
         tokio::time::timeout(Duration::from_secs(1), third.wait())

@@ -1,16 +1,16 @@
 //! `HeldLock`: the one record of a lock this node holds, shared by the call
 //! that took it, the extender, shutdown and the callback's `LockContext`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::backend::Lease;
 use crate::error::LossCause;
 use crate::metrics::{HeldTimer, Meter};
+use crate::task::Signal;
 
 /// The margin taken off a lease's validity for clock drift between this
 /// process and the store: 1% of the ttl plus 2 ms.
@@ -34,12 +34,17 @@ pub(crate) struct HeldLock {
     pub(crate) ttl: Duration,
     pub(crate) locker_id: u64,
     pub(crate) holder: Holder,
-    /// The last confirmed expiry, minus the drift margin: past this instant
-    /// another node may hold the key.
-    valid_until: Mutex<Instant>,
+    /// The validity the acquisition gave: its expiry, minus the drift
+    /// margin.
+    valid_from_acquisition: Instant,
+    /// How far extensions moved the validity past that, in nanoseconds:
+    /// the last confirmed expiry, minus the drift margin, is the instant
+    /// past which another node may hold the key. An atomic, as every call
+    /// reads it and only extensions move it, always forward.
+    extended_by_nanos: AtomicU64,
     lost: OnceLock<LossCause>,
     ended: AtomicBool,
-    notify: Notify,
+    signal: Signal,
     meter: Meter,
     held_for: HeldTimer,
 }
@@ -60,10 +65,11 @@ impl HeldLock {
             ttl,
             locker_id,
             holder,
-            valid_until: Mutex::new(sent_at + ttl - drift(ttl)),
+            valid_from_acquisition: sent_at + ttl - drift(ttl),
+            extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
-            notify: Notify::new(),
+            signal: Signal::default(),
             meter,
             held_for: HeldTimer::start(),
         }
@@ -71,10 +77,8 @@ impl HeldLock {
 
     /// Until when the lock is certainly ours.
     pub(crate) fn valid_until(&self) -> Instant {
-        *self
-            .valid_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        let extended = self.extended_by_nanos.load(Ordering::Acquire);
+        self.valid_from_acquisition + Duration::from_nanos(extended)
     }
 
     /// Whether the lock is certainly still ours at `now`.
@@ -90,11 +94,10 @@ impl HeldLock {
 
     /// Records an extension sent at `sent_at` that the store confirmed.
     pub(crate) fn confirm(&self, sent_at: Instant) {
-        let mut until = self
-            .valid_until
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        *until = (*until).max(sent_at + self.ttl - drift(self.ttl));
+        let until = sent_at + self.ttl - drift(self.ttl);
+        let by = until.saturating_duration_since(self.valid_from_acquisition);
+        let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        self.extended_by_nanos.fetch_max(nanos, Ordering::AcqRel);
     }
 
     /// Records the loss; the first cause wins. Returns whether this call set it.
@@ -105,7 +108,7 @@ impl HeldLock {
                 self.meter.lost(self.lease.key_arc(), cause);
             }
             self.meter.held(self.lease.key_arc(), &self.held_for, true);
-            self.notify.notify_waiters();
+            self.signal.notify_waiters();
         }
         first
     }
@@ -116,7 +119,7 @@ impl HeldLock {
         self.ended.store(true, Ordering::Release);
         let lost = self.lost.get().is_some();
         self.meter.held(self.lease.key_arc(), &self.held_for, lost);
-        self.notify.notify_waiters();
+        self.signal.notify_waiters();
     }
 
     pub(crate) fn loss_cause(&self) -> Option<&LossCause> {
@@ -138,18 +141,16 @@ impl HeldLock {
         self.lost_or(true).await
     }
 
-    async fn lost_or(&self, or_ended: bool) -> LossCause {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(cause) = self.lost.get() {
-                return cause.clone();
-            }
-            if or_ended && self.is_ended() {
-                return LossCause::Released;
-            }
-            notified.await;
+    /// The loss (or with `or_ended`, the release) already recorded, if any.
+    pub(crate) fn loss_now(&self, or_ended: bool) -> Option<LossCause> {
+        if let Some(cause) = self.lost.get() {
+            return Some(cause.clone());
         }
+        (or_ended && self.is_ended()).then_some(LossCause::Released)
+    }
+
+    /// Resolves with [`loss_now`](Self::loss_now) once it gives a cause.
+    pub(crate) async fn lost_or(&self, or_ended: bool) -> LossCause {
+        self.signal.wait_until(|| self.loss_now(or_ended)).await
     }
 }

@@ -6,6 +6,7 @@ use std::panic::{resume_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
@@ -15,6 +16,7 @@ use crate::config::{validate_key, LockConfig, LockerOptions};
 use crate::context::{held_by_current_task, LockContext, Scoped};
 use crate::error::{LockError, LossCause};
 use crate::gate::Gates;
+use crate::held::HeldLock;
 use crate::metrics::Meter;
 use crate::registry::Registry;
 use crate::shutdown::ShutdownSignal;
@@ -238,7 +240,7 @@ impl Locker {
                 // carried into another with `LockContext::scope`.
                 let held = Arc::clone(&ctx.held);
                 let guarded = Box::pin(AssertUnwindSafe(callback(ctx)).catch_unwind());
-                return match race(guarded, held.lost_or_ended()).await {
+                return match race(guarded, &held, true).await {
                     Ok(Ok(value)) => Ok(value),
                     Ok(Err(panic)) => resume_unwind(panic),
                     Err((guarded, cause)) => {
@@ -258,7 +260,7 @@ impl Locker {
             held: Arc::clone(&lock.held),
         };
         let guarded = Box::pin(AssertUnwindSafe(ctx.enter(callback(ctx.clone()))).catch_unwind());
-        match race(guarded, lock.held.lost()).await {
+        match race(guarded, &lock.held, false).await {
             Ok(out) => {
                 let held = Arc::clone(&lock.held);
                 // [O6] The output counts only if the lock was ours for the
@@ -321,12 +323,24 @@ fn lost(key: &str, cause: LossCause) -> LockError {
 /// lock is released before they resume.
 type Guarded<G> = Pin<Box<futures_util::future::CatchUnwind<AssertUnwindSafe<G>>>>;
 
-/// Polls `callback` until it settles or `loss` resolves first; a loss seen
-/// in the same poll wins, so a cancelled callback is not polled after it.
+/// Polls `callback` until it settles or `held` is lost (or with `or_ended`,
+/// released) first; a loss seen in the same poll wins, so a cancelled
+/// callback is not polled after it.
 async fn race<G: Future>(
     mut callback: Guarded<G>,
-    loss: impl Future<Output = LossCause>,
+    held: &HeldLock,
+    or_ended: bool,
 ) -> Result<std::thread::Result<G::Output>, (Guarded<G>, LossCause)> {
+    if let Some(cause) = held.loss_now(or_ended) {
+        return Err((callback, cause));
+    }
+    // A callback that settles in its first poll never waits for the loss,
+    // so it is polled once before the wait is set up.
+    let first = std::future::poll_fn(|cx| Poll::Ready(callback.as_mut().poll(cx))).await;
+    if let Poll::Ready(out) = first {
+        return Ok(out);
+    }
+    let loss = held.lost_or(or_ended);
     tokio::pin!(loss);
     tokio::select! {
         biased;

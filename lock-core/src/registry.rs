@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use crate::error::{BackendError, LossCause};
 use crate::held::{HeldLock, Holder};
 use crate::metrics::Meter;
 use crate::release::{Cleanup, OwedRelease};
+use crate::task::Signal;
 
 /// A held lock, with the extender's bookkeeping for it.
 pub(crate) struct Entry {
@@ -30,12 +32,42 @@ pub(crate) struct Entry {
     pub(crate) last_error: Option<BackendError>,
 }
 
+/// Hashes the registry's ids, which it draws itself in sequence: a
+/// multiplication spreads them, with none of SipHash's cost.
+#[derive(Default)]
+pub(crate) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = (self.0 ^ id).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct State {
     next_id: u64,
-    pub(crate) entries: HashMap<u64, Entry>,
+    pub(crate) entries: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
     /// The extensions due, by time.
     pub(crate) schedule: BTreeSet<(Instant, u64)>,
+    /// Callbacks' locks taken since the extender last looked, not yet in
+    /// `schedule`: most are released before their first extension is due,
+    /// and then never cost a schedule entry. Ids of locks already gone are
+    /// skipped when the extender looks.
+    pub(crate) unscheduled: Vec<u64>,
+    /// A callback's lock was taken since the extender last looked.
+    pub(crate) taken_since_look: bool,
+    /// The ttl of the last callback's lock taken.
+    pub(crate) last_ttl: Duration,
     callbacks: usize,
     owed: usize,
     /// Owed releases that failed or were given up since shutdown began.
@@ -68,6 +100,21 @@ impl State {
         false
     }
 
+    /// Schedules the first extension of every lock in `unscheduled` that is
+    /// still held.
+    pub(crate) fn schedule_taken(&mut self) {
+        let mut taken = std::mem::take(&mut self.unscheduled);
+        for &id in &taken {
+            let due = match self.entries.get(&id) {
+                Some(e) if e.due.is_none() => e.held.extension_due(),
+                _ => continue,
+            };
+            self.schedule(id, due);
+        }
+        taken.clear();
+        self.unscheduled = taken;
+    }
+
     pub(crate) fn remove(&mut self, id: u64) -> Option<Entry> {
         let e = self.entries.remove(&id)?;
         if let Some(due) = e.due {
@@ -85,7 +132,7 @@ pub(crate) struct Registry {
     /// Wakes the extender when the schedule changed or the registry closed.
     pub(crate) wake: Arc<Notify>,
     /// Wakes shutdown when the callbacks or the owed releases changed.
-    changed: Notify,
+    changed: Signal,
     pub(crate) backend: Arc<DynLockBackend>,
     pub(crate) max_batch: usize,
     pub(crate) cleanup: Arc<Cleanup>,
@@ -98,7 +145,7 @@ impl Registry {
         Self {
             state: Mutex::default(),
             wake: Arc::new(Notify::new()),
-            changed: Notify::new(),
+            changed: Signal::default(),
             cleanup: Arc::new(Cleanup::new(Arc::clone(&backend), meter.clone())),
             backend,
             max_batch,
@@ -117,25 +164,45 @@ impl Registry {
         if s.no_new {
             return None;
         }
-        if let Ok(runtime) = Handle::try_current() {
-            s.runtime = Some(runtime);
+        // The runtime of the extender, or of the call if none runs: a
+        // runtime that ended took its extender with it.
+        if s.runtime.is_none() || !s.extender_running {
+            if let Ok(runtime) = Handle::try_current() {
+                s.runtime = Some(runtime);
+            }
         }
         let id = s.next_id;
         s.next_id += 1;
-        let holder = held.holder;
-        let first_due = held.extension_due();
+        let (holder, ttl) = (held.holder, held.ttl);
+        let first_due = (holder == Holder::Callback).then(|| held.extension_due());
         s.entries.insert(
             id,
             Entry {
-                backoff: crate::extender::first_backoff(held.ttl),
+                backoff: crate::extender::first_backoff(ttl),
                 held,
                 due: None,
                 last_error: None,
             },
         );
-        if holder == Holder::Callback {
+        if let Some(first_due) = first_due {
             s.callbacks += 1;
-            let wake = s.schedule(id, first_due);
+            // Scheduled when the extender next looks, which it does by
+            // `extender_wakes_at`: woken only to look earlier.
+            if s.unscheduled.len() >= 64 && s.unscheduled.len() > 2 * s.entries.len() {
+                let State {
+                    unscheduled,
+                    entries,
+                    ..
+                } = &mut *s;
+                unscheduled.retain(|id| entries.contains_key(id));
+            }
+            s.unscheduled.push(id);
+            s.taken_since_look = true;
+            s.last_ttl = ttl;
+            let wake = s.extender_wakes_at.is_none_or(|at| first_due < at);
+            if wake {
+                s.extender_wakes_at = Some(first_due);
+            }
             if !s.extender_running {
                 s.extender_running = true;
                 drop(s);
@@ -198,15 +265,9 @@ impl Registry {
 
     /// Resolves once `done` holds for the registry's state.
     pub(crate) async fn wait_until(&self, done: impl Fn(&State) -> bool) {
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if done(&self.lock()) {
-                return;
-            }
-            notified.await;
-        }
+        self.changed
+            .wait_until(move || done(&self.lock()).then_some(()))
+            .await;
     }
 
     /// Resolves once no callback holds a lock.
@@ -238,6 +299,7 @@ impl Registry {
         s.no_new = true;
         s.closed = true;
         s.schedule.clear();
+        s.unscheduled.clear();
         s.callbacks = 0;
         let drained: Vec<Arc<HeldLock>> = s.entries.drain().map(|(_, e)| e.held).collect();
         s.owed += drained.len();

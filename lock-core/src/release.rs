@@ -15,11 +15,13 @@ use crate::registry::Registry;
 
 /// A release this locker owes: counted by the registry from the moment the
 /// lock left it until the store answered, so that shutdown can wait for it.
-/// Dropping it unsent gives the release up (the key expires with its ttl).
+/// Dropping it unanswered gives the release up (the key expires with its
+/// ttl), unless it is to be sent again.
 pub(crate) struct OwedRelease {
     registry: Arc<Registry>,
     lease: Lease,
     settled: bool,
+    send_again_if_dropped: bool,
 }
 
 impl OwedRelease {
@@ -28,7 +30,17 @@ impl OwedRelease {
             registry,
             lease,
             settled: false,
+            send_again_if_dropped: false,
         }
+    }
+
+    /// Makes a drop before the answer send the release once more, in the
+    /// background, for a caller that may be dropped while it waits. (Cheaper
+    /// than keeping the call alive in a task of its own: it needs no
+    /// allocation unless it is dropped.)
+    pub(crate) fn sent_again_if_dropped(mut self) -> Self {
+        self.send_again_if_dropped = true;
+        self
     }
 
     /// Sends the release and waits for the store's answer.
@@ -96,7 +108,13 @@ impl OwedRelease {
 
 impl Drop for OwedRelease {
     fn drop(&mut self) {
-        if !self.settled {
+        if self.settled {
+            return;
+        }
+        if self.send_again_if_dropped {
+            // Still owed: the new one settles the count.
+            Self::new(Arc::clone(&self.registry), self.lease.clone()).in_background();
+        } else {
             self.registry.release_settled(false);
         }
     }

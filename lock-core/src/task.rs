@@ -1,8 +1,12 @@
-//! Running a backend step so that dropping its caller cannot strand a lock.
+//! Running a backend step so that dropping its caller cannot strand a lock,
+//! and the cheap signal the driver notifies on every release.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
+
+use tokio::sync::Notify;
 
 /// Runs `step` in place, and to its end even if this future is dropped.
 ///
@@ -64,6 +68,67 @@ where
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { orphan(step.await) });
         }
+    }
+}
+
+/// A [`Notify`] for waiters that check a condition, whose notifications
+/// cost one atomic operation while nobody waits: the driver signals on
+/// every release, and somebody waits only now and then (shutdown, a task
+/// carried into a lock's scope, a callback still running at a loss).
+#[derive(Default)]
+pub(crate) struct Signal {
+    notify: Notify,
+    /// How many `wait_until` calls are in progress.
+    waiting: AtomicUsize,
+}
+
+impl Signal {
+    /// Wakes every `wait_until` in progress, after a change of the state
+    /// their condition reads.
+    pub(crate) fn notify_waiters(&self) {
+        // A read-modify-write, not a load: it orders the caller's change of
+        // the state before it, so that a waiter that counted itself after
+        // this reads the change in its condition.
+        if self.waiting.fetch_add(0, Ordering::SeqCst) > 0 {
+            self.notify.notify_waiters();
+        }
+    }
+
+    /// Resolves with the first `Some` that `check` gives, checked now and
+    /// after every notification.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub(crate) async fn wait_until<T>(&self, mut check: impl FnMut() -> Option<T>) -> T {
+        let mut notified = std::pin::pin!(self.notify.notified());
+        // Made before counting in: a notification after the count is seen
+        // completes it.
+        let _counted = Counted::new(&self.waiting);
+        loop {
+            notified.as_mut().enable();
+            if let Some(value) = check() {
+                return value;
+            }
+            notified.as_mut().await;
+            notified.set(self.notify.notified());
+        }
+    }
+}
+
+/// One waiter counted in a [`Signal`] while it lives.
+struct Counted<'a>(&'a AtomicUsize);
+
+impl<'a> Counted<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -1,11 +1,20 @@
-//! P1–P4 on Redis, each against a hand-written baseline in the same run.
+//! P1–P4 on Redis, each against hand-written baselines in the same run.
 //!
-//! - P1: one uncontended `with_lock` cycle vs the two raw commands by hand
-//!   (`SET key v NX PX 30000`, then a compare-and-delete script by
-//!   `EVALSHA`) on a multiplexed connection taken from the same pool, as the
-//!   backend takes its own. Target ≤ 1.15x.
-//! - P2: 64 tasks on 64 distinct keys, cycles/s vs the same raw commands.
-//!   Target ≥ 0.85x.
+//! - P1: one uncontended `with_lock` cycle, interleaved in rounds with
+//!   - the raw floor: the two commands by hand (`SET key v NX PX 30000`,
+//!     then a compare-and-delete script by `EVALSHA`) on a multiplexed
+//!     connection taken from the same pool, as the backend takes its own;
+//!   - the raw floor with fencing: the backend's own two scripts
+//!     (`lua/acquire.lua`, `lua/release.lua`: fencing token and release
+//!     notification) sent by hand by `EVALSHA` on that connection;
+//!   - rslock 0.10 (`LockManager::lock` + `unlock`, one server): no fencing,
+//!     no extension, no notifications.
+//!
+//!   Target ≤ 1.10x the raw floor and ≤ 1.00x rslock.
+//! - P2: 64 tasks on 64 distinct keys, cycles/s of the same four, interleaved.
+//!   Target ≥ 0.85x the raw floor and ≥ 1.00x rslock. Each line also shows
+//!   the server's CPU per cycle (`INFO cpu` before and after; on a shared
+//!   server other clients' work counts too).
 //! - P3: handoff latency, from the holder's callback returning to the next
 //!   waiter's callback running, `retry_delay` 200 ms, with release
 //!   notifications and without (polling).
@@ -14,13 +23,26 @@
 //!
 //! Against `REDIS_URL` (default `redis://127.0.0.1:6379`, or a child
 //! `redis-server` when none answers), in a random key namespace deleted at
-//! the end. Run it in release mode:
+//! the end. Run it in release mode; name parts to run only those:
 //!
 //! ```text
-//! cargo run --release -p lock-redis --example bench_redis
+//! cargo run --release -p lock-redis --example bench_redis [p1] [p2] [p3] [p4]
+//! ```
+//!
+//! To count the client's instructions per cycle, `--cycles N KIND` runs N
+//! cycles of one kind (`raw`, `fenced`, `rslock`, `with_lock`) after 500 of
+//! warm-up, on a current-thread runtime; under
+//! `valgrind --tool=callgrind` the difference between two values of N,
+//! divided by their difference, is the cost of one cycle whatever the
+//! machine's load:
+//!
+//! ```text
+//! valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.%p \
+//!     target/release/examples/bench_redis --cycles 5000 with_lock
 //! ```
 
 use std::error::Error;
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use lock_conformance::{CountingBackend, Step};
@@ -38,30 +60,156 @@ fn node(backend: impl lock_core::LockBackend, name: &str) -> Locker {
 
 /// A multiplexed connection taken from the pool, as the backend does, so
 /// that neither side pays deadpool's `PING` per checkout.
-async fn raw_connection(pool: &deadpool_redis::Pool) -> Result<Conn, Box<dyn Error>> {
+async fn raw_connection(pool: &deadpool_redis::Pool) -> Result<Conn, BoxError> {
     Ok(deadpool_redis::Connection::take(pool.get().await?))
 }
 
 type Conn = redis::aio::MultiplexedConnection;
+type BoxError = Box<dyn Error + Send + Sync>;
 
-async fn raw_cycle(
-    conn: &Conn,
-    release: &Script,
-    key: &str,
-    value: &str,
-) -> Result<(), Box<dyn Error>> {
-    let mut conn = conn.clone();
-    let ok: Option<String> = redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .query_async(&mut conn)
+/// The four kinds of cycle, in the order every round runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Raw,
+    Fenced,
+    Rslock,
+    WithLock,
+}
+
+impl Kind {
+    const ALL: [Self; 4] = [Self::Raw, Self::Fenced, Self::Rslock, Self::WithLock];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Raw => "raw SET NX PX + compare-and-delete",
+            Self::Fenced => "raw, backend's scripts (fencing)",
+            Self::Rslock => "rslock 0.10 lock + unlock",
+            Self::WithLock => "with_lock",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "raw" => Some(Self::Raw),
+            "fenced" => Some(Self::Fenced),
+            "rslock" => Some(Self::Rslock),
+            "with_lock" => Some(Self::WithLock),
+            _ => None,
+        }
+    }
+}
+
+/// What the cycles of every kind run against, shared by every task.
+#[derive(Clone)]
+struct Clients {
+    conn: Conn,
+    release: Script,
+    acquire_fenced: Script,
+    release_fenced: Script,
+    channel: String,
+    rslock: rslock::LockManager,
+    locker: Locker,
+}
+
+impl Clients {
+    async fn new(url: &str, backend: &RedisBackend, name: &str) -> Result<Self, BoxError> {
+        Ok(Self {
+            conn: raw_connection(backend.pool()).await?,
+            release: Script::new(RAW_RELEASE),
+            acquire_fenced: Script::new(include_str!("../lua/acquire.lua")),
+            release_fenced: Script::new(include_str!("../lua/release.lua")),
+            channel: backend.channel().to_owned(),
+            rslock: rslock::LockManager::new(vec![url.to_owned()]),
+            locker: node(backend.clone(), name),
+        })
+    }
+
+    /// One uncontended cycle of `kind` on `key`; `value` is the raw kinds'
+    /// owner token.
+    async fn cycle(&self, kind: Kind, key: &str, value: &str) -> Result<(), BoxError> {
+        let mut conn = self.conn.clone();
+        match kind {
+            Kind::Raw => {
+                let ok: Option<String> = redis::cmd("SET")
+                    .arg(key)
+                    .arg(value)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(30_000)
+                    .query_async(&mut conn)
+                    .await?;
+                assert!(ok.is_some(), "raw baseline: key busy");
+                let _: i64 = self
+                    .release
+                    .key(key)
+                    .arg(value)
+                    .invoke_async(&mut conn)
+                    .await?;
+            }
+            Kind::Fenced => {
+                let fence = lock_redis::slot::fence_key(key);
+                let token: i64 = self
+                    .acquire_fenced
+                    .key(key)
+                    .key(&fence)
+                    .arg(value)
+                    .arg(30_000)
+                    .invoke_async(&mut conn)
+                    .await?;
+                assert!(token > 0, "fenced baseline: key busy");
+                let _: i64 = self
+                    .release_fenced
+                    .key(key)
+                    .arg(value)
+                    .arg(&self.channel)
+                    .invoke_async(&mut conn)
+                    .await?;
+            }
+            Kind::Rslock => {
+                let lock = self
+                    .rslock
+                    .lock(key.as_bytes(), Duration::from_secs(30))
+                    .await?;
+                self.rslock.unlock(&lock).await;
+            }
+            Kind::WithLock => self.locker.with_lock(key, |_| async {}).await?,
+        }
+        Ok(())
+    }
+}
+
+/// The server's CPU time so far (`used_cpu_user + used_cpu_sys`).
+async fn server_cpu(conn: &Conn) -> Result<Duration, BoxError> {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(&mut conn.clone())
         .await?;
-    assert!(ok.is_some(), "raw baseline: key busy");
-    let _: i64 = release.key(key).arg(value).invoke_async(&mut conn).await?;
-    Ok(())
+    let seconds: f64 = info
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_user:")
+                .or_else(|| l.strip_prefix("used_cpu_sys:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// Times `work`, and the server CPU it took.
+async fn timed<F: Future<Output = Result<(), BoxError>>>(
+    conn: &Conn,
+    work: F,
+) -> Result<(Duration, Duration), BoxError> {
+    let cpu = server_cpu(conn).await?;
+    let t = Instant::now();
+    work.await?;
+    let took = t.elapsed();
+    Ok((took, server_cpu(conn).await?.saturating_sub(cpu)))
+}
+
+fn median<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v[v.len() / 2]
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -87,106 +235,116 @@ async fn cpu_percent_over(window: Duration) -> f64 {
     (c1 - c0).as_secs_f64() / (t1 - t0).as_secs_f64() * 100.0
 }
 
-async fn p1(
-    backend: &RedisBackend,
-    ns: &Namespace,
-    release: &Script,
-) -> Result<(), Box<dyn Error>> {
-    let locker = node(backend.clone(), "p1");
-    let pool = &raw_connection(backend.pool()).await?;
+async fn p1(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
+    const N: u32 = 1000;
+    const ROUNDS: usize = 7;
     let key = ns.key("p1");
     let value = "p1/00000000000000000000000000000000";
-    const N: u32 = 2000;
-    for _ in 0..200 {
-        raw_cycle(pool, release, &key, value).await?;
-        locker.with_lock(&key, |_| async {}).await?;
-    }
-    let (mut raw, mut ours) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        let t = Instant::now();
-        for _ in 0..N {
-            raw_cycle(pool, release, &key, value).await?;
+    for _ in 0..100 {
+        for kind in Kind::ALL {
+            clients.cycle(kind, &key, value).await?;
         }
-        raw.push(t.elapsed() / N);
-        let t = Instant::now();
-        for _ in 0..N {
-            locker.with_lock(&key, |_| async {}).await?;
-        }
-        ours.push(t.elapsed() / N);
     }
-    raw.sort();
-    ours.sort();
-    let (raw, ours) = (raw[2], ours[2]);
+    let mut samples = vec![(Vec::new(), Vec::new()); Kind::ALL.len()];
+    for _ in 0..ROUNDS {
+        for (i, kind) in Kind::ALL.into_iter().enumerate() {
+            let (took, cpu) = timed(&clients.conn, async {
+                for _ in 0..N {
+                    clients.cycle(kind, &key, value).await?;
+                }
+                Ok(())
+            })
+            .await?;
+            samples[i].0.push(took / N);
+            samples[i].1.push(cpu / N);
+        }
+    }
+    let lines: Vec<(Kind, Duration, Duration)> = Kind::ALL
+        .into_iter()
+        .zip(samples)
+        .map(|(kind, (took, cpu))| (kind, median(took), median(cpu)))
+        .collect();
+    let of = |kind: Kind| {
+        lines
+            .iter()
+            .find(|l| l.0 == kind)
+            .map_or(Duration::ZERO, |l| l.1)
+    };
+    let (raw, rslock) = (of(Kind::Raw), of(Kind::Rslock));
     println!(
-        "P1 uncontended cycle: with_lock {ours:?}, raw SET NX PX + release script {raw:?}: \
-         ratio {:.3}x (target <= 1.15x)",
-        ours.as_secs_f64() / raw.as_secs_f64()
+        "P1 uncontended cycle, median of {ROUNDS} interleaved rounds of {N} \
+         (target with_lock <= 1.10x raw, <= 1.00x rslock):"
     );
+    for (kind, took, cpu) in &lines {
+        println!(
+            "  {:<38} {:>10.1?}  {:.3}x raw  {:.3}x rslock  server CPU {:>6.1?}/cycle",
+            kind.name(),
+            took,
+            took.as_secs_f64() / raw.as_secs_f64(),
+            took.as_secs_f64() / rslock.as_secs_f64(),
+            cpu,
+        );
+    }
     Ok(())
 }
 
-async fn p2(
-    backend: &RedisBackend,
-    ns: &Namespace,
-    release: &Script,
-) -> Result<(), Box<dyn Error>> {
+async fn p2(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
     const TASKS: usize = 64;
     const CYCLES: u32 = 150;
-    let locker = node(backend.clone(), "p2");
-    let conn = raw_connection(backend.pool()).await?;
-    let run_raw = || async {
-        let t = Instant::now();
+    const ROUNDS: usize = 5;
+    let run = |kind: Kind| async move {
         let mut tasks = Vec::new();
         for i in 0..TASKS {
-            let (pool, release, key) = (conn.clone(), release.clone(), ns.key(&format!("p2:{i}")));
+            let (clients, key) = (clients.clone(), ns.key(&format!("p2:{i}")));
             tasks.push(tokio::spawn(async move {
                 let value = format!("p2/{i:032x}");
                 for _ in 0..CYCLES {
-                    raw_cycle(&pool, &release, &key, &value)
-                        .await
-                        .expect("raw cycle");
+                    clients.cycle(kind, &key, &value).await?;
                 }
+                Ok::<_, BoxError>(())
             }));
         }
         for t in tasks {
-            t.await.expect("raw task");
+            t.await??;
         }
-        f64::from(CYCLES) * TASKS as f64 / t.elapsed().as_secs_f64()
+        Ok(())
     };
-    let run_ours = || async {
-        let t = Instant::now();
-        let mut tasks = Vec::new();
-        for i in 0..TASKS {
-            let (locker, key) = (locker.clone(), ns.key(&format!("p2:{i}")));
-            tasks.push(tokio::spawn(async move {
-                for _ in 0..CYCLES {
-                    locker
-                        .with_lock(&key, |_| async {})
-                        .await
-                        .expect("with_lock");
-                }
-            }));
-        }
-        for t in tasks {
-            t.await.expect("with_lock task");
-        }
-        f64::from(CYCLES) * TASKS as f64 / t.elapsed().as_secs_f64()
-    };
-    run_raw().await;
-    run_ours().await;
-    let (mut raw, mut ours) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
-        raw.push(run_raw().await);
-        ours.push(run_ours().await);
+    for kind in Kind::ALL {
+        run(kind).await?;
     }
-    raw.sort_by(f64::total_cmp);
-    ours.sort_by(f64::total_cmp);
-    let (raw, ours) = (raw[1], ours[1]);
+    let cycles = f64::from(CYCLES) * TASKS as f64;
+    let mut samples = vec![(Vec::new(), Vec::new()); Kind::ALL.len()];
+    for _ in 0..ROUNDS {
+        for (i, kind) in Kind::ALL.into_iter().enumerate() {
+            let (took, cpu) = timed(&clients.conn, run(kind)).await?;
+            samples[i].0.push(cycles / took.as_secs_f64());
+            samples[i].1.push(cpu.as_secs_f64() / cycles);
+        }
+    }
+    let lines: Vec<(Kind, f64, f64)> = Kind::ALL
+        .into_iter()
+        .zip(samples)
+        .map(|(kind, (rate, cpu))| (kind, median(rate), median(cpu)))
+        .collect();
+    let of = |kind: Kind| lines.iter().find(|l| l.0 == kind).map_or(f64::NAN, |l| l.1);
+    let (raw, fenced, rslock) = (of(Kind::Raw), of(Kind::Fenced), of(Kind::Rslock));
     println!(
-        "P2 64 tasks, distinct keys: with_lock {ours:.0} cycles/s, raw {raw:.0} cycles/s: \
-         ratio {:.3}x (target >= 0.85x)",
-        ours / raw
+        "P2 {TASKS} tasks on distinct keys, median of {ROUNDS} interleaved rounds \
+         (target with_lock >= 0.85x raw, >= 1.00x rslock):"
     );
+    for (kind, rate, cpu) in &lines {
+        println!(
+            "  {:<38} {:>7.0} cycles/s  {:.3}x raw  {:.3}x fenced  {:.3}x rslock  \
+             server CPU {:>5.1}µs/cycle ({:.0}% of a core)",
+            kind.name(),
+            rate,
+            rate / raw,
+            rate / fenced,
+            rate / rslock,
+            cpu * 1e6,
+            cpu * rate * 100.0,
+        );
+    }
     Ok(())
 }
 
@@ -196,7 +354,7 @@ async fn handoffs(
     ns: &Namespace,
     notifications: bool,
     rounds: usize,
-) -> Result<Vec<Duration>, Box<dyn Error>> {
+) -> Result<Vec<Duration>, BoxError> {
     let config = RedisConfig::default().release_notifications(notifications);
     let holder = node(RedisBackend::from_url_with(url, config.clone())?, "holder");
     let waiter = node(RedisBackend::from_url_with(url, config)?, "waiter");
@@ -241,7 +399,7 @@ async fn handoffs(
     Ok(latencies)
 }
 
-async fn p3(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
+async fn p3(url: &str, ns: &Namespace) -> Result<(), BoxError> {
     for (notifications, rounds) in [(true, 100), (false, 30)] {
         let l = handoffs(url, ns, notifications, rounds).await?;
         println!(
@@ -257,7 +415,7 @@ async fn p3(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-async fn p4(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
+async fn p4(url: &str, ns: &Namespace) -> Result<(), BoxError> {
     const LOCKS: usize = 10_000;
     let ttl = Duration::from_secs(3);
     let backend = RedisBackend::from_url_with(url, RedisConfig::default())?;
@@ -312,18 +470,68 @@ async fn p4(url: &str, ns: &Namespace) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Result<(), Box<dyn Error>> {
+fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, n, kind] = args.as_slice() {
+        if flag == "--cycles" {
+            let kind = Kind::parse(kind).ok_or("KIND: raw, fenced, rslock or with_lock")?;
+            return tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(count_cycles(n.parse()?, kind));
+        }
+    }
+    let parts: Vec<&str> = args.iter().map(String::as_str).collect();
+    if let Some(bad) = parts.iter().find(|p| !["p1", "p2", "p3", "p4"].contains(p)) {
+        return Err(format!(
+            "unknown argument {bad:?}; usage: bench_redis [p1] [p2] [p3] [p4] | --cycles N KIND"
+        )
+        .into());
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(run(&parts))
+}
+
+/// Runs `n` cycles of `kind` after a warm-up, printing nothing, for an
+/// instruction count.
+async fn count_cycles(n: u32, kind: Kind) -> Result<(), BoxError> {
     let url = server_url().await;
     let ns = Namespace::new(&url);
     let backend = RedisBackend::from_url_with(&url, RedisConfig::default())?;
-    let release = Script::new(RAW_RELEASE);
+    let clients = Clients::new(&url, &backend, "cg").await?;
+    let key = ns.key("cg");
+    let value = "cg/00000000000000000000000000000000";
+    for _ in 0..500 {
+        clients.cycle(kind, &key, value).await?;
+    }
+    for _ in 0..n {
+        clients.cycle(kind, &key, value).await?;
+    }
+    Ok(())
+}
+
+async fn run(parts: &[&str]) -> Result<(), BoxError> {
+    let wanted = |part: &str| parts.is_empty() || parts.contains(&part);
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let backend = RedisBackend::from_url_with(&url, RedisConfig::default())?;
     println!("lock-redis benchmark against {backend:?}");
     let started = Instant::now();
-    p1(&backend, &ns, &release).await?;
-    p2(&backend, &ns, &release).await?;
-    p3(&url, &ns).await?;
-    p4(&url, &ns).await?;
+    if wanted("p1") {
+        p1(&Clients::new(&url, &backend, "p1").await?, &ns).await?;
+    }
+    if wanted("p2") {
+        p2(&Clients::new(&url, &backend, "p2").await?, &ns).await?;
+    }
+    if wanted("p3") {
+        p3(&url, &ns).await?;
+    }
+    if wanted("p4") {
+        p4(&url, &ns).await?;
+    }
     println!("total {:.1?}", started.elapsed());
     let deleted = tokio::task::spawn_blocking(move || ns.cleanup()).await??;
     println!("cleaned up {deleted} keys");

@@ -439,16 +439,28 @@ impl RedisBackend {
         keys: &[&str],
         args: &[&str],
     ) -> Result<i64, BackendError> {
+        // One `EVALSHA` command, built once in one buffer (a script
+        // invocation copies every key and argument into a buffer of its own
+        // first), and sent again after `NOSCRIPT` (a restarted or flushed
+        // server) once the script is loaded.
+        let mut call = redis::Cmd::with_capacity(4 + keys.len() + 2, 320);
+        call.arg("EVALSHA")
+            .arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
         self.bounded(step, async {
             let mut conn = self.connection().await?;
-            let mut call = script.prepare_invoke();
-            for key in keys {
-                call.key(*key);
+            match call.query_async(&mut conn).await {
+                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                    script
+                        .load_async(&mut conn)
+                        .await
+                        .map_err(map_redis_error)?;
+                    call.query_async(&mut conn).await.map_err(map_redis_error)
+                }
+                answer => answer.map_err(map_redis_error),
             }
-            for arg in args {
-                call.arg(*arg);
-            }
-            call.invoke_async(&mut conn).await.map_err(map_redis_error)
         })
         .await
     }
