@@ -553,6 +553,24 @@ pub(crate) fn ttl_ms(ttl: Duration) -> String {
     ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
 }
 
+/// The acquire script's answer: 0 busy, else the fencing token.
+pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendError> {
+    match u64::try_from(answer) {
+        Ok(0) => Ok(AcquireOutcome::Busy),
+        Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
+        Err(_) => Err(unexpected("acquire", answer)),
+    }
+}
+
+/// The release script's answer: 1 released, 0 not held.
+pub(crate) fn release_outcome(answer: i64) -> Result<ReleaseOutcome, BackendError> {
+    match answer {
+        1 => Ok(ReleaseOutcome::Released),
+        0 => Ok(ReleaseOutcome::NotHeld),
+        other => Err(unexpected("release", other)),
+    }
+}
+
 pub(crate) fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
     match answer {
         1 => Ok(ExtendOutcome::Extended),
@@ -634,11 +652,7 @@ impl LockBackend for RedisBackend {
                 .await?
             }
         };
-        match u64::try_from(answer) {
-            Ok(0) => Ok(AcquireOutcome::Busy),
-            Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
-            Err(_) => Err(unexpected("acquire", answer)),
-        }
+        acquire_outcome(answer)
     }
 
     /// `PEXPIRE` if the key still holds the owner token, in one script.
@@ -722,11 +736,7 @@ impl LockBackend for RedisBackend {
                 &[lease.owner().as_str(), &self.inner.channel],
             )
             .await?;
-        match answer {
-            1 => Ok(ReleaseOutcome::Released),
-            0 => Ok(ReleaseOutcome::NotHeld),
-            other => Err(unexpected("release", other)),
-        }
+        release_outcome(answer)
     }
 
     /// A watch on `key`, returned once the backend's one subscription is

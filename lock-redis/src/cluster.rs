@@ -20,7 +20,9 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{ErrorKind, RedisError, Script, Value};
 use tokio::time::Instant;
 
-use crate::backend::{extend_outcome, map_redis_error, ttl_ms, unexpected, CHANNEL};
+use crate::backend::{
+    acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
+};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{RedisConfig, SetupError};
 use crate::slot::{fence_key, key_slot, slot_tag};
@@ -762,11 +764,7 @@ impl LockBackend for RedisClusterBackend {
                 &[owner.as_str(), &ttl_ms(ttl)],
             )
             .await?;
-        match u64::try_from(answer) {
-            Ok(0) => Ok(AcquireOutcome::Busy),
-            Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
-            Err(_) => Err(unexpected("acquire", answer)),
-        }
+        acquire_outcome(answer)
     }
 
     /// `PEXPIRE` if the key still holds the owner token, in one script on
@@ -844,11 +842,7 @@ impl LockBackend for RedisClusterBackend {
                 &[lease.owner().as_str(), &channel],
             )
             .await?;
-        match answer {
-            1 => Ok(ReleaseOutcome::Released),
-            0 => Ok(ReleaseOutcome::NotHeld),
-            other => Err(unexpected("release", other)),
-        }
+        release_outcome(answer)
     }
 
     /// A watch on `key`, returned once the shard channel of the key's slot
