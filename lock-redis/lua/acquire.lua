@@ -18,25 +18,43 @@
 -- the written values, never a re-run of the script): the only mode from
 -- Redis 7, the default from Redis 5.
 --
--- Returns the new fencing token (>= 1) when the lock was taken, 0 when the
--- key is held by someone else. Fails, having written nothing, when the
--- companion holds something other than a number below 2^53.
-local stored = redis.call('GET', KEYS[2])
-local counter = 0
-if stored then
-    counter = tonumber(stored)
-    -- Lua numbers are doubles, exact up to 2^53 (about the year 2255 in
-    -- microseconds): above it, counter + 1 could equal counter.
-    if not counter or counter >= 9007199254740991 then
-        return redis.error_reply('ERR the fencing companion ' .. KEYS[2] .. ' is not a number below 2^53')
-    end
-end
+-- Returns 0 when the key is held by someone else (one command run, nothing
+-- written), else the new fencing token (>= 1): as a decimal string when it
+-- is the clock, as an integer when it is the counter. Fails, having
+-- changed nothing, when the companion holds anything but a decimal integer
+-- from 1 to 2^53 - 2 (with no sign, point or leading zero).
+--
+-- The common path runs three commands and converts no number: the clock's
+-- digits are joined as strings (TIME answers strings; Lua's tonumber and
+-- number formatting are the costly parts of a script this small), the
+-- companion is swapped with SET ... GET, and the two tokens, digit strings
+-- without leading zeros, are compared by length, then by their digits.
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return 0
 end
 local now = redis.call('TIME')
-local token = math.max(counter + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
--- '%.0f' writes every digit, where Redis's own conversion of a number
--- argument keeps only 14 significant digits.
-redis.call('SET', KEYS[2], string.format('%.0f', token))
-return token
+local micros = now[2]
+local clock = now[1] .. string.sub('00000', #micros) .. micros
+-- KEEPTTL: a companion put back below is put back as it was.
+local stored = redis.pcall('SET', KEYS[2], clock, 'KEEPTTL', 'GET')
+if not stored then
+    return clock
+end
+if type(stored) == 'string' and #stored <= 16 and string.find(stored, '^[1-9]%d*$') then
+    if #stored < #clock or (#stored == #clock and stored < clock) then
+        return clock
+    end
+    -- The counter is ahead of the clock: put it back and count on by one,
+    -- while the sum stays exact in a Lua number (below 2^53).
+    if #stored < 16 or stored < '9007199254740991' then
+        redis.call('SET', KEYS[2], stored, 'KEEPTTL')
+        return redis.call('INCR', KEYS[2])
+    end
+end
+-- Not a counter: put back what was there (nothing was written to a key of
+-- another type), free the lock key just taken, and fail.
+if type(stored) == 'string' then
+    redis.call('SET', KEYS[2], stored, 'KEEPTTL')
+end
+redis.call('DEL', KEYS[1])
+return redis.error_reply('ERR the fencing companion ' .. KEYS[2] .. ' is not a number below 2^53')

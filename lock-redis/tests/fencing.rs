@@ -130,30 +130,96 @@ async fn h4_a_counter_ahead_of_the_clock_counts_on_by_one() {
     assert_eq!(token(&locker, &key).await, ahead + 2);
 }
 
-/// A companion that holds no number fails the acquisition before anything
-/// is written: the lock key is not taken, the companion is unchanged.
+/// A companion that holds anything but a decimal integer below 2^53 fails
+/// the acquisition and changes nothing: the lock key is not taken, the
+/// companion keeps its value (and its ttl, if it had one); one of another
+/// type is left as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h4_a_corrupt_counter_fails_the_acquisition_and_takes_nothing() {
     let url = server_url().await;
     let ns = Namespace::new(&url);
-    let key = ns.key("corrupt");
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let mut conn = raw(&url).await;
+    let owner = OwnerToken::new("a");
+    let ttl = Duration::from_secs(30);
+    let refused = |error: &lock_core::BackendError| {
+        redis_error_in(error).is_some_and(|e| e.to_string().contains("fencing companion"))
+    };
+    for (i, bad) in [
+        "not a number",
+        "",
+        "12.5",
+        "+5",
+        "007",
+        "1e6",
+        " 42",
+        "9007199254740991",
+        "12345678901234567890",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = ns.key(&format!("corrupt {i}"));
+        let fence = backend.fence_key(&key);
+        let _: () = redis::cmd("SET")
+            .arg(&fence)
+            .arg(bad)
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let error = backend
+            .try_acquire(&key, &owner, ttl)
+            .await
+            .expect_err("a corrupt counter fails the acquisition");
+        assert!(refused(&error), "{bad:?}: {error:?}");
+        let taken: bool = conn.exists(&key).await.unwrap();
+        assert!(!taken, "{bad:?}: the lock key was not taken");
+        let stored: String = conn.get(&fence).await.unwrap();
+        assert_eq!(stored, bad, "the companion is unchanged");
+        let kept: i64 = conn.pttl(&fence).await.unwrap();
+        assert!(kept > 500_000, "{bad:?}: the companion's ttl is kept: {kept}");
+    }
+
+    let key = ns.key("corrupt hash");
+    let fence = backend.fence_key(&key);
+    let _: () = conn.hset(&fence, "field", "value").await.unwrap();
+    let error = backend
+        .try_acquire(&key, &owner, ttl)
+        .await
+        .expect_err("a companion of another type fails the acquisition");
+    assert!(refused(&error), "{error:?}");
+    let taken: bool = conn.exists(&key).await.unwrap();
+    assert!(!taken, "the lock key was not taken");
+    let field: String = conn.hget(&fence, "field").await.unwrap();
+    assert_eq!(field, "value", "the hash is unchanged");
+}
+
+/// The largest counter that still counts on: its successor, 2^53 - 1, is
+/// the last token; after it, acquisitions fail and take nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h4_the_counter_counts_up_to_2_pow_53_minus_1() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let key = ns.key("limit");
     let backend = RedisBackend::from_url(&url).unwrap();
     let fence = backend.fence_key(&key);
     let mut conn = raw(&url).await;
-    let _: () = conn.set(&fence, "not a number").await.unwrap();
+    let _: () = conn.set(&fence, "9007199254740990").await.unwrap();
+    let locker = node(backend.clone(), "a");
+    assert_eq!(token(&locker, &key).await, 9_007_199_254_740_991);
     let owner = OwnerToken::new("a");
     let error = backend
         .try_acquire(&key, &owner, Duration::from_secs(30))
         .await
-        .expect_err("a corrupt counter fails the acquisition");
+        .expect_err("no token above 2^53 - 1");
     assert!(
         redis_error_in(&error).is_some_and(|e| e.to_string().contains("fencing companion")),
         "{error:?}"
     );
     let taken: bool = conn.exists(&key).await.unwrap();
     assert!(!taken, "the lock key was not taken");
-    let stored: String = conn.get(&fence).await.unwrap();
-    assert_eq!(stored, "not a number");
 }
 
 /// Nothing listens at the URL: every step fails with kind `Unavailable`
