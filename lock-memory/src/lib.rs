@@ -19,10 +19,11 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use hashbrown::hash_map::EntryRef;
+use hashbrown::HashMap;
 use lock_core::{
     async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, LockBackend,
     OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
@@ -58,6 +59,9 @@ struct Inner {
 
 #[derive(Default)]
 struct State {
+    // hashbrown for `entry_ref`: one hash per call, and a key is allocated
+    // only when its entry is made. foldhash, its default hasher, is seeded
+    // per map but only "minimally DoS-resistant", unlike std's SipHash.
     held: HashMap<Box<str>, Holder>,
     fence: u64,
 }
@@ -148,21 +152,20 @@ impl LockBackend for MemoryBackend {
     ) -> Result<AcquireOutcome, BackendError> {
         let now = Instant::now();
         let mut state = self.lock();
-        if state.held.get(key).is_some_and(|h| h.expires_at > now) {
-            return Ok(AcquireOutcome::Busy);
-        }
-        state.fence += 1;
-        let fencing_token = state.fence;
-        let holder = Holder {
-            owner: owner.clone(),
-            expires_at: now + ttl,
-        };
-        match state.held.get_mut(key) {
-            Some(slot) => *slot = holder,
-            None => {
-                state.held.insert(key.into(), holder);
+        let State { held, fence } = &mut *state;
+        let entry = held.entry_ref(key);
+        if let EntryRef::Occupied(slot) = &entry {
+            if slot.get().expires_at > now {
+                return Ok(AcquireOutcome::Busy);
             }
         }
+        *fence += 1;
+        let fencing_token = *fence;
+        // An expired holder's entry is reused, key and all.
+        entry.insert(Holder {
+            owner: owner.clone(),
+            expires_at: now + ttl,
+        });
         Ok(AcquireOutcome::Acquired { fencing_token })
     }
 
@@ -190,17 +193,18 @@ impl LockBackend for MemoryBackend {
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let now = Instant::now();
         let mut state = self.lock();
-        let outcome = match state.held.get(lease.key()) {
-            Some(h) if h.owner == *lease.owner() && h.expires_at > now => ReleaseOutcome::Released,
-            _ => ReleaseOutcome::NotHeld,
+        let outcome = match state.held.entry_ref(lease.key()) {
+            EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
+                // Expired: free, and this lease no longer holds it.
+                slot.remove();
+                ReleaseOutcome::NotHeld
+            }
+            EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
+                slot.remove();
+                ReleaseOutcome::Released
+            }
+            EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
         };
-        if state
-            .held
-            .get(lease.key())
-            .is_some_and(|h| h.expires_at <= now || outcome == ReleaseOutcome::Released)
-        {
-            state.held.remove(lease.key());
-        }
         drop(state);
         if outcome == ReleaseOutcome::Released {
             self.inner.hub.notify(lease.key());
@@ -237,5 +241,71 @@ mod tests {
             backend.try_acquire("k", &b, ttl).await.unwrap(),
             AcquireOutcome::Acquired { .. }
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn release_frees_the_entry_of_its_holder_or_of_an_expired_one() {
+        let backend = MemoryBackend::new();
+        let entries = || backend.lock().held.len();
+        let a = OwnerToken::new("a");
+        let ttl = Duration::from_secs(30);
+        let take = |owner: &OwnerToken| {
+            let (backend, owner) = (backend.clone(), owner.clone());
+            async move {
+                match backend.try_acquire("k", &owner, ttl).await.unwrap() {
+                    AcquireOutcome::Acquired { fencing_token } => {
+                        Lease::new("k", owner, fencing_token)
+                    }
+                    AcquireOutcome::Busy => panic!("k is busy"),
+                }
+            }
+        };
+
+        let first = take(&a).await;
+        let foreign = Lease::new("k", OwnerToken::new("b"), first.fencing_token());
+        let mut watch = backend.watch_release("k").await.unwrap();
+        assert_eq!(
+            backend.release(&foreign).await.unwrap(),
+            ReleaseOutcome::NotHeld
+        );
+        assert_eq!(entries(), 1, "a foreign release leaves the entry");
+        assert_eq!(
+            backend.release(&first).await.unwrap(),
+            ReleaseOutcome::Released
+        );
+        assert_eq!(entries(), 0, "a released key takes no memory");
+        tokio::time::timeout(Duration::from_secs(1), watch.released())
+            .await
+            .unwrap();
+
+        let second = take(&OwnerToken::new("b")).await;
+        assert!(second.fencing_token() > first.fencing_token());
+        tokio::time::advance(ttl).await;
+        let c = OwnerToken::new("c");
+        let third = take(&c).await;
+        assert!(third.fencing_token() > second.fencing_token());
+        assert_eq!(entries(), 1, "an expired entry is reused");
+        assert_eq!(
+            backend.release(&second).await.unwrap(),
+            ReleaseOutcome::NotHeld
+        );
+        assert_eq!(
+            backend.holder("k"),
+            Some(c),
+            "the expired holder frees nothing"
+        );
+
+        tokio::time::advance(ttl).await;
+        assert_eq!(
+            backend.release(&third).await.unwrap(),
+            ReleaseOutcome::NotHeld
+        );
+        assert_eq!(entries(), 0, "an expired entry found by release is removed");
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), watch.released())
+                .await
+                .is_err(),
+            "only a release that answered Released notifies"
+        );
     }
 }
