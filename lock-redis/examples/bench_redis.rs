@@ -5,7 +5,7 @@
 //!     then a compare-and-delete script by `EVALSHA`) on a multiplexed
 //!     connection taken from the same pool, as the backend takes its own;
 //!   - the raw floor with fencing: the backend's own two scripts
-//!     (`lua/acquire.lua`, `lua/release.lua`: fencing token and release
+//!     (`lua/fencing.lua` + `lua/acquire.lua`, `lua/release.lua`: fencing token and release
 //!     notification) sent by hand by `EVALSHA` on that connection;
 //!   - rslock 0.10 (`LockManager::lock` + `unlock`, one server): no fencing,
 //!     no extension, no notifications.
@@ -116,8 +116,8 @@ impl Clients {
         Ok(Self {
             conn: raw_connection(backend.pool()).await?,
             release: Script::new(RAW_RELEASE),
-            acquire_fenced: Script::new(include_str!("../lua/acquire.lua")),
-            release_fenced: Script::new(include_str!("../lua/release.lua")),
+            acquire_fenced: Script::new(lock_redis::testing::ACQUIRE_SCRIPT),
+            release_fenced: Script::new(lock_redis::testing::RELEASE_SCRIPT),
             channel: backend.channel().to_owned(),
             rslock: rslock::LockManager::new(vec![url.to_owned()]),
             locker: node(backend.clone(), name),
@@ -195,16 +195,18 @@ async fn server_cpu(conn: &Conn) -> Result<Duration, BoxError> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
-/// Times `work`, and the server CPU it took.
+/// Times `work`, and the server's and this process's CPU it took.
 async fn timed<F: Future<Output = Result<(), BoxError>>>(
     conn: &Conn,
     work: F,
-) -> Result<(Duration, Duration), BoxError> {
+) -> Result<(Duration, Duration, Duration), BoxError> {
     let cpu = server_cpu(conn).await?;
+    let client = cpu_time().unwrap_or_default();
     let t = Instant::now();
     work.await?;
     let took = t.elapsed();
-    Ok((took, server_cpu(conn).await?.saturating_sub(cpu)))
+    let client = cpu_time().unwrap_or_default().saturating_sub(client);
+    Ok((took, server_cpu(conn).await?.saturating_sub(cpu), client))
 }
 
 fn median<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
@@ -248,7 +250,7 @@ async fn p1(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
     let mut samples = vec![(Vec::new(), Vec::new()); Kind::ALL.len()];
     for _ in 0..ROUNDS {
         for (i, kind) in Kind::ALL.into_iter().enumerate() {
-            let (took, cpu) = timed(&clients.conn, async {
+            let (took, cpu, _) = timed(&clients.conn, async {
                 for _ in 0..N {
                     clients.cycle(kind, &key, value).await?;
                 }
@@ -313,18 +315,19 @@ async fn p2(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
         run(kind).await?;
     }
     let cycles = f64::from(CYCLES) * TASKS as f64;
-    let mut samples = vec![(Vec::new(), Vec::new()); Kind::ALL.len()];
+    let mut samples = vec![(Vec::new(), Vec::new(), Vec::new()); Kind::ALL.len()];
     for _ in 0..ROUNDS {
         for (i, kind) in Kind::ALL.into_iter().enumerate() {
-            let (took, cpu) = timed(&clients.conn, run(kind)).await?;
+            let (took, cpu, client) = timed(&clients.conn, run(kind)).await?;
             samples[i].0.push(cycles / took.as_secs_f64());
             samples[i].1.push(cpu.as_secs_f64() / cycles);
+            samples[i].2.push(client.as_secs_f64() / cycles);
         }
     }
-    let lines: Vec<(Kind, f64, f64)> = Kind::ALL
+    let lines: Vec<(Kind, f64, f64, f64)> = Kind::ALL
         .into_iter()
         .zip(samples)
-        .map(|(kind, (rate, cpu))| (kind, median(rate), median(cpu)))
+        .map(|(kind, (rate, cpu, client))| (kind, median(rate), median(cpu), median(client)))
         .collect();
     let of = |kind: Kind| lines.iter().find(|l| l.0 == kind).map_or(f64::NAN, |l| l.1);
     let (raw, fenced, rslock) = (of(Kind::Raw), of(Kind::Fenced), of(Kind::Rslock));
@@ -332,10 +335,10 @@ async fn p2(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
         "P2 {TASKS} tasks on distinct keys, median of {ROUNDS} interleaved rounds \
          (target with_lock >= 0.85x raw, >= 1.00x rslock):"
     );
-    for (kind, rate, cpu) in &lines {
+    for (kind, rate, cpu, client) in &lines {
         println!(
             "  {:<38} {:>7.0} cycles/s  {:.3}x raw  {:.3}x fenced  {:.3}x rslock  \
-             server CPU {:>5.1}µs/cycle ({:.0}% of a core)",
+             server CPU {:>5.1}µs/cycle ({:.0}% of a core), client {:>5.1}µs/cycle",
             kind.name(),
             rate,
             rate / raw,
@@ -343,6 +346,7 @@ async fn p2(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
             rate / rslock,
             cpu * 1e6,
             cpu * rate * 100.0,
+            client * 1e6,
         );
     }
     Ok(())

@@ -12,19 +12,37 @@ use lock_core::{
     ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 use redis::aio::MultiplexedConnection;
-use redis::Script;
+use redis::{FromRedisValue, Script};
 
+use crate::batch::{Batcher, Queued};
 use crate::config::{RedisConfig, SetupError};
 use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
 use crate::subscription::{PubSubTarget, Subscription};
 
-pub(crate) static ACQUIRE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/acquire.lua")));
+/// The acquisition script: the shared step (`lua/fencing.lua`) and its
+/// one-key call.
+pub(crate) const ACQUIRE_LUA: &str = concat!(
+    include_str!("../lua/fencing.lua"),
+    "\n",
+    include_str!("../lua/acquire.lua")
+);
+pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
+/// Several acquisitions in one script run (see [`crate::batch`]).
+static ACQUIRE_BATCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../lua/fencing.lua"),
+        "\n",
+        include_str!("../lua/acquire_batch.lua")
+    ))
+});
 pub(crate) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
 pub(crate) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
+/// Several releases in one script run (see [`crate::batch`]).
+static RELEASE_BATCH: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/release_batch.lua")));
 
 /// The name of the release channel, after the prefix.
 pub const CHANNEL: &str = "withlock:released";
@@ -60,6 +78,10 @@ struct Inner {
     /// must reach the same server, which the first watch checks.
     separate_client: Option<redis::Client>,
     same_server: tokio::sync::OnceCell<Result<(), BackendError>>,
+    /// Acquisitions and releases on the wire, and those waiting to go out
+    /// together.
+    acquisitions: Batcher,
+    releases: Batcher,
 }
 
 impl RedisBackend {
@@ -208,6 +230,8 @@ impl RedisBackend {
                 subscription,
                 separate_client: None,
                 same_server: tokio::sync::OnceCell::new(),
+                acquisitions: Batcher::default(),
+                releases: Batcher::default(),
             }),
         })
     }
@@ -250,6 +274,8 @@ impl RedisBackend {
                 subscription,
                 separate_client,
                 same_server: tokio::sync::OnceCell::new(),
+                acquisitions: Batcher::default(),
+                releases: Batcher::default(),
             }),
         }
     }
@@ -432,13 +458,13 @@ impl RedisBackend {
         .await
     }
 
-    async fn run_script(
+    async fn run_script<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
         script: &Script,
         keys: &[&str],
         args: &[&str],
-    ) -> Result<i64, BackendError> {
+    ) -> Result<T, BackendError> {
         // One `EVALSHA` command, built once in one buffer (a script
         // invocation copies every key and argument into a buffer of its own
         // first), and sent again after `NOSCRIPT` (a restarted or flushed
@@ -464,6 +490,167 @@ impl RedisBackend {
         })
         .await
     }
+}
+
+/// The two kinds of step that go out in batches under load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Acquisition,
+    Release,
+}
+
+impl Step {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Acquisition => "acquisition",
+            Self::Release => "release",
+        }
+    }
+}
+
+/// A request counted on the wire (alone or a batch) until dropped, also
+/// when its caller is dropped first; then the next batch goes out.
+struct OnTheWire<'a>(&'a RedisBackend, Step);
+
+impl Drop for OnTheWire<'_> {
+    fn drop(&mut self) {
+        if let Some(batch) = self.0.batcher(self.1).finished() {
+            self.0.send_batch(self.1, batch);
+        }
+    }
+}
+
+impl RedisBackend {
+    fn batcher(&self, step: Step) -> &Batcher {
+        match step {
+            Step::Acquisition => &self.inner.acquisitions,
+            Step::Release => &self.inner.releases,
+        }
+    }
+
+    /// Queues a step to go out with the others waiting (see
+    /// [`crate::batch`]), and gives its answer within the command timeout.
+    async fn queued(
+        &self,
+        step: Step,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<redis::Value, BackendError> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        if let Some(batch) = self.batcher(step).queue(Queued { keys, args, answer }) {
+            self.send_batch(step, batch);
+        }
+        self.bounded(step.name(), async {
+            answered.await.unwrap_or_else(|_| {
+                Err(BackendError::message(
+                    BackendErrorKind::Request,
+                    "the batch this step went out in was dropped before its answer (the runtime is shutting down)",
+                ))
+            })
+        })
+        .await
+    }
+
+    /// Sends `batch` (counted on the wire) as one script run, in a task of
+    /// its own, and hands each step its answer.
+    fn send_batch(&self, step: Step, batch: Vec<Queued>) {
+        let counted = BatchOnTheWire {
+            backend: self.clone(),
+            step,
+            batch,
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(counted.send());
+            }
+            // Dropped outside a runtime: nothing can go out; each step
+            // gets an error as the batch is dropped, and so on for the
+            // queue behind it.
+            Err(_) => drop(counted),
+        }
+    }
+}
+
+/// A batch on the wire. Dropped before its answer (its task cancelled, or
+/// no runtime to send it on), its steps get an error and it counts out.
+struct BatchOnTheWire {
+    backend: RedisBackend,
+    step: Step,
+    batch: Vec<Queued>,
+}
+
+impl BatchOnTheWire {
+    async fn send(mut self) {
+        let backend = self.backend.clone();
+        let answer = {
+            let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 2);
+            let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 2 + 1);
+            if self.step == Step::Release {
+                args.push(&backend.inner.channel);
+            }
+            for queued in &self.batch {
+                keys.extend(queued.keys.iter().map(String::as_str));
+                args.extend(queued.args.iter().map(String::as_str));
+            }
+            let script = match self.step {
+                Step::Acquisition => &*ACQUIRE_BATCH,
+                Step::Release => &*RELEASE_BATCH,
+            };
+            backend
+                .run_script::<Vec<redis::Value>>(self.step.name(), script, &keys, &args)
+                .await
+        };
+        let n = self.batch.len();
+        let answers: Vec<Result<redis::Value, BackendError>> = match answer {
+            Ok(values) if values.len() == n => values.into_iter().map(Ok).collect(),
+            Ok(values) => {
+                let error = BackendError::message(
+                    BackendErrorKind::Protocol,
+                    format!(
+                        "the {} batch script answered {} values for {n} steps",
+                        self.step.name(),
+                        values.len()
+                    ),
+                );
+                vec![Err(error); n]
+            }
+            Err(error) => vec![Err(error); n],
+        };
+        for (queued, answer) in std::mem::take(&mut self.batch).into_iter().zip(answers) {
+            let _ = queued.answer.send(answer);
+        }
+    }
+}
+
+impl Drop for BatchOnTheWire {
+    fn drop(&mut self) {
+        for queued in self.batch.drain(..) {
+            let _ = queued.answer.send(Err(BackendError::message(
+                BackendErrorKind::Request,
+                "the batch this step went out in was dropped before its answer",
+            )));
+        }
+        if let Some(next) = self.backend.batcher(self.step).finished() {
+            self.backend.send_batch(self.step, next);
+        }
+    }
+}
+
+/// The error of an acquisition whose fencing companion holds no counter, as
+/// the one-key script gives it.
+fn corrupt_companion(fence: &str) -> BackendError {
+    map_redis_error(redis::RedisError::from((
+        redis::ErrorKind::ResponseError,
+        "the fencing companion is not a number below 2^53",
+        format!("ERR the fencing companion {fence} is not a number below 2^53"),
+    )))
+}
+
+fn protocol_error(step: &str, error: &redis::RedisError) -> BackendError {
+    BackendError::message(
+        BackendErrorKind::Protocol,
+        format!("the {step} batch script's answer: {error}"),
+    )
 }
 
 fn lock_slot(
@@ -642,7 +829,8 @@ impl LockBackend for RedisBackend {
             Some(durability) => {
                 Box::pin(self.acquire_durably(durability, [&lock_key, &fence], owner, ttl)).await?
             }
-            None => {
+            None if self.inner.acquisitions.go_alone() => {
+                let _counted = OnTheWire(self, Step::Acquisition);
                 self.run_script(
                     "acquisition",
                     &ACQUIRE,
@@ -650,6 +838,20 @@ impl LockBackend for RedisBackend {
                     &[owner.as_str(), &ttl_ms(ttl)],
                 )
                 .await?
+            }
+            None => {
+                let answer = self
+                    .queued(
+                        Step::Acquisition,
+                        vec![lock_key.into_owned(), fence.clone()],
+                        vec![owner.as_str().to_owned(), ttl_ms(ttl)],
+                    )
+                    .await?;
+                match i64::from_redis_value(&answer) {
+                    Ok(-1) => return Err(corrupt_companion(&fence)),
+                    Ok(answer) => answer,
+                    Err(e) => return Err(protocol_error("acquisition", &e)),
+                }
             }
         };
         acquire_outcome(answer)
@@ -728,14 +930,26 @@ impl LockBackend for RedisBackend {
     /// A dropped call may or may not have released the key; calling again
     /// is safe.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        let answer = self
-            .run_script(
+        let lock_key = self.lock_key(lease.key());
+        let answer = if self.inner.releases.go_alone() {
+            let _counted = OnTheWire(self, Step::Release);
+            self.run_script(
                 "release",
                 &RELEASE,
-                &[&self.lock_key(lease.key())],
+                &[&lock_key],
                 &[lease.owner().as_str(), &self.inner.channel],
             )
-            .await?;
+            .await?
+        } else {
+            let answer = self
+                .queued(
+                    Step::Release,
+                    vec![lock_key.into_owned()],
+                    vec![lease.owner().as_str().to_owned()],
+                )
+                .await?;
+            i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
+        };
         release_outcome(answer)
     }
 

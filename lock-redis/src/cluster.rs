@@ -27,7 +27,7 @@ use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{RedisConfig, SetupError};
 use crate::slot::{fence_key, key_slot, slot_tag};
 
-const ACQUIRE_LUA: &str = include_str!("../lua/acquire.lua");
+const ACQUIRE_LUA: &str = crate::backend::ACQUIRE_LUA;
 const EXTEND_LUA: &str = include_str!("../lua/extend.lua");
 const RELEASE_LUA: &str = include_str!("../lua/release_sharded.lua");
 

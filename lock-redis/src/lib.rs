@@ -160,6 +160,7 @@
 
 mod admin;
 mod backend;
+mod batch;
 mod cluster;
 mod cluster_check;
 mod cluster_subscription;

@@ -41,6 +41,15 @@ pub use sentinel::{SentinelGroup, MASTER_NAME};
 /// The server tests use when `REDIS_URL` is not set.
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 
+/// The backend's acquisition script, as `EVALSHA` runs it (keys: the lock
+/// key and its fencing companion; arguments: the owner token and the ttl
+/// in milliseconds), for benchmarks and tests that send it by hand.
+pub const ACQUIRE_SCRIPT: &str = crate::backend::ACQUIRE_LUA;
+
+/// The backend's release script (key: the lock key; arguments: the owner
+/// token and the release channel).
+pub const RELEASE_SCRIPT: &str = include_str!("../lua/release.lua");
+
 /// `REDIS_URL`, or [`DEFAULT_URL`].
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())

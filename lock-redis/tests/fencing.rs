@@ -179,7 +179,10 @@ async fn h4_a_corrupt_counter_fails_the_acquisition_and_takes_nothing() {
         let stored: String = conn.get(&fence).await.unwrap();
         assert_eq!(stored, bad, "the companion is unchanged");
         let kept: i64 = conn.pttl(&fence).await.unwrap();
-        assert!(kept > 500_000, "{bad:?}: the companion's ttl is kept: {kept}");
+        assert!(
+            kept > 500_000,
+            "{bad:?}: the companion's ttl is kept: {kept}"
+        );
     }
 
     let key = ns.key("corrupt hash");

@@ -1,0 +1,74 @@
+-- The acquisition step, shared by the one-key script (acquire.lua) and the
+-- batch script (acquire_batch.lua); each is this file followed by its own.
+--
+-- acquire(lock, fence, owner, ttl) takes `lock` (the lock key) for `owner`
+-- (`<node id>/<32 hex>`) for `ttl` milliseconds and draws the fencing token
+-- from `fence` (its companion key, in the same hash slot; never expires).
+--
+-- The token is max(companion + 1, server clock in microseconds since the
+-- Unix epoch), and is stored back in the companion. The counter term makes
+-- tokens strictly increase even within one microsecond or when the clock
+-- steps back; the clock term keeps them increasing when the companion is
+-- lost (a restart without persistence, FLUSHALL, eviction, a failover to a
+-- replica that missed the write): the next token is the clock, above every
+-- earlier token as long as the clock did not step back by more than the
+-- counter's lead over it.
+--
+-- TIME before a write needs effects replication (replicas and the AOF get
+-- the written values, never a re-run of the script): the only mode from
+-- Redis 7, the default from Redis 5.
+--
+-- It returns 0 when the key is held by someone else (one command run,
+-- nothing written), else the new fencing token (>= 1): as a decimal string
+-- when it is the clock, as an integer when it is the counter. It returns an
+-- error reply, having changed nothing, when the companion holds anything
+-- but a decimal integer from 1 to 2^53 - 2 (no sign, point or leading
+-- zero), or is a key of another type.
+--
+-- The common path runs three commands and converts no number: the clock's
+-- digits are joined as strings (TIME answers strings; Lua's tonumber and
+-- number formatting are the costly parts of a script this small), the
+-- companion is swapped with SET ... GET, and the two tokens, digit strings
+-- without leading zeros, are compared by length, then by their digits.
+
+-- The server clock in microseconds, as a decimal string: read once per
+-- script run, at the first acquisition that needs it.
+local now
+local function clock()
+    if not now then
+        local time = redis.call('TIME')
+        local micros = time[2]
+        now = time[1] .. string.sub('00000', #micros) .. micros
+    end
+    return now
+end
+
+local function acquire(lock, fence, owner, ttl)
+    if not redis.call('SET', lock, owner, 'NX', 'PX', ttl) then
+        return 0
+    end
+    local token = clock()
+    -- KEEPTTL: a companion put back below is put back as it was.
+    local stored = redis.pcall('SET', fence, token, 'KEEPTTL', 'GET')
+    if not stored then
+        return token
+    end
+    if type(stored) == 'string' and #stored <= 16 and string.find(stored, '^[1-9]%d*$') then
+        if #stored < #token or (#stored == #token and stored < token) then
+            return token
+        end
+        -- The counter is ahead of the clock: put it back and count on by
+        -- one, while the sum stays exact in a Lua number (below 2^53).
+        if #stored < 16 or stored < '9007199254740991' then
+            redis.call('SET', fence, stored, 'KEEPTTL')
+            return redis.call('INCR', fence)
+        end
+    end
+    -- Not a counter: put back what was there (nothing was written to a key
+    -- of another type), free the lock key just taken, and fail.
+    if type(stored) == 'string' then
+        redis.call('SET', fence, stored, 'KEEPTTL')
+    end
+    redis.call('DEL', lock)
+    return redis.error_reply('ERR the fencing companion ' .. fence .. ' is not a number below 2^53')
+end

@@ -1,0 +1,176 @@
+//! Concurrent steps of one kind sent as one script run.
+//!
+//! A step goes out on its own while fewer than [`MAX_IN_FLIGHT`] of its
+//! kind are on the wire and none is waiting, so a lone caller pays nothing
+//! for this. Beyond that it waits in a queue, and whenever one of those on
+//! the wire answers, the queue (up to [`MAX_BATCH`] steps) goes out as one
+//! batch script run: under load the server runs one script, not one per
+//! step, and every command's fixed cost (reading and parsing it, looking up
+//! and starting the script, writing the answer) is paid once per batch.
+//! That cost is most of a lock step's: the server is what limits many
+//! callers on one Redis.
+//!
+//! A batch is sent by a task of its own, so a caller that is dropped while
+//! it waits changes nothing for the others; its answer is then dropped too
+//! (a dropped step may have taken its key, as the trait says). A batch
+//! that fails fails every step in it, with the same error.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use lock_core::BackendError;
+use tokio::sync::oneshot;
+
+/// How many requests of one kind may be on the wire before the next ones
+/// wait to go out together.
+pub(crate) const MAX_IN_FLIGHT: usize = 2;
+
+/// The most steps in one batch script run.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// A step waiting in the queue: its script keys and arguments, and where
+/// its answer goes.
+pub(crate) struct Queued {
+    pub(crate) keys: Vec<String>,
+    pub(crate) args: Vec<String>,
+    pub(crate) answer: oneshot::Sender<Result<redis::Value, BackendError>>,
+}
+
+/// The requests of one kind on the wire, and the steps waiting.
+#[derive(Default)]
+pub(crate) struct Batcher {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    in_flight: usize,
+    queue: Vec<Queued>,
+}
+
+impl Batcher {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts a step in as going out alone, if it may: then the caller
+    /// must call [`finished`](Self::finished) once it is answered (or
+    /// dropped).
+    pub(crate) fn go_alone(&self) -> bool {
+        let mut state = self.state();
+        if state.in_flight < MAX_IN_FLIGHT && state.queue.is_empty() {
+            state.in_flight += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Queues a step; gives the batch to send now, if a request may go
+    /// out (counted in: send it, then call [`finished`](Self::finished)).
+    pub(crate) fn queue(&self, step: Queued) -> Option<Vec<Queued>> {
+        let mut state = self.state();
+        state.queue.push(step);
+        take_batch(&mut state)
+    }
+
+    /// One request (alone or a batch) was answered: gives the next batch
+    /// to send, if any waits (counted in, as from [`queue`](Self::queue)).
+    pub(crate) fn finished(&self) -> Option<Vec<Queued>> {
+        let mut state = self.state();
+        state.in_flight -= 1;
+        take_batch(&mut state)
+    }
+}
+
+fn take_batch(state: &mut State) -> Option<Vec<Queued>> {
+    if state.in_flight >= MAX_IN_FLIGHT {
+        return None;
+    }
+    // A caller that gave up while it waited (timed out, or dropped) never
+    // sends its step.
+    state.queue.retain(|step| !step.answer.is_closed());
+    if state.queue.is_empty() {
+        return None;
+    }
+    state.in_flight += 1;
+    let n = state.queue.len().min(MAX_BATCH);
+    Some(state.queue.drain(..n).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step() -> (
+        Queued,
+        oneshot::Receiver<Result<redis::Value, BackendError>>,
+    ) {
+        let (answer, rx) = oneshot::channel();
+        let step = Queued {
+            keys: vec!["k".to_owned()],
+            args: vec!["v".to_owned()],
+            answer,
+        };
+        (step, rx)
+    }
+
+    #[test]
+    fn steps_go_alone_until_the_wire_is_full_then_wait_for_an_answer() {
+        let batcher = Batcher::default();
+        for _ in 0..MAX_IN_FLIGHT {
+            assert!(batcher.go_alone());
+        }
+        assert!(!batcher.go_alone(), "the wire is full");
+        let mut waiting = Vec::new();
+        for _ in 0..3 {
+            let (s, rx) = step();
+            assert!(batcher.queue(s).is_none(), "no request may go out");
+            waiting.push(rx);
+        }
+        let batch = batcher.finished().expect("an answer lets the queue out");
+        assert_eq!(batch.len(), 3);
+        assert!(!batcher.go_alone(), "the batch took the freed place");
+        assert!(batcher.finished().is_none(), "nothing waits");
+        assert!(batcher.go_alone(), "a place is free again");
+    }
+
+    #[test]
+    fn batches_hold_at_most_max_batch_steps() {
+        let batcher = Batcher::default();
+        for _ in 0..MAX_IN_FLIGHT {
+            assert!(batcher.go_alone());
+        }
+        let mut receivers = Vec::new();
+        for _ in 0..MAX_BATCH + 5 {
+            let (s, rx) = step();
+            assert!(batcher.queue(s).is_none());
+            receivers.push(rx);
+        }
+        assert_eq!(batcher.finished().map(|b| b.len()), Some(MAX_BATCH));
+        assert_eq!(batcher.finished().map(|b| b.len()), Some(5));
+    }
+
+    #[test]
+    fn steps_whose_callers_gave_up_never_go_out() {
+        let batcher = Batcher::default();
+        for _ in 0..MAX_IN_FLIGHT {
+            assert!(batcher.go_alone());
+        }
+        let (gone, rx) = step();
+        drop(rx);
+        assert!(batcher.queue(gone).is_none());
+        let (kept, _rx) = step();
+        assert!(batcher.queue(kept).is_none());
+        let batch = batcher.finished().expect("one step still waits");
+        assert_eq!(batch.len(), 1);
+        assert!(!batch[0].answer.is_closed());
+        assert!(batcher.finished().is_none());
+        // Only given-up steps wait: nothing goes out, nothing is counted.
+        while batcher.go_alone() {}
+        let (gone, rx) = step();
+        drop(rx);
+        assert!(batcher.queue(gone).is_none());
+        assert!(batcher.finished().is_none());
+        assert!(batcher.go_alone(), "the given-up step took no place");
+    }
+}

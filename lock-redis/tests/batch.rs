@@ -1,0 +1,271 @@
+//! Concurrent steps on one backend go out together: beyond a few on the
+//! wire, the acquisitions (and releases) waiting are sent as one batch
+//! script run, each keeping the one-key script's answer. Each test runs on
+//! a Redis server of its own, whose command counts say how the steps went
+//! out.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{node, raw, redis_error_in, within};
+use futures_util::future::join_all;
+use lock_conformance::{CountingBackend, Step};
+use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, ReleaseOutcome};
+use lock_redis::testing::RedisServer;
+use lock_redis::RedisBackend;
+use redis::AsyncCommands;
+
+const LIMIT: Duration = Duration::from_secs(20);
+const TTL: Duration = Duration::from_secs(30);
+
+/// How many times the server ran `EVALSHA` so far.
+async fn script_runs(url: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut raw(url).await)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+fn acquired(outcome: &AcquireOutcome) -> u64 {
+    match outcome {
+        AcquireOutcome::Acquired { fencing_token } => *fencing_token,
+        AcquireOutcome::Busy => panic!("busy"),
+    }
+}
+
+/// 64 acquisitions polled at once: the first few go out alone, the rest in
+/// batches; each gets its own token, the one with a corrupt companion alone
+/// fails (taking nothing), and the server ran far fewer scripts than steps.
+/// Then the 64 releases, one of them with a foreign owner token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_steps_go_out_in_batches_with_their_own_answers() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let mut conn = raw(&url).await;
+    let keys: Vec<String> = (0..64).map(|i| format!("batch {i}")).collect();
+    let corrupt = 40;
+    let fence = backend.fence_key(&keys[corrupt]);
+    let _: () = conn.set(&fence, "not a number").await.unwrap();
+    let owners: Vec<OwnerToken> = (0..64).map(|_| OwnerToken::new("a")).collect();
+
+    let before = script_runs(&url).await;
+    let answers = within(
+        LIMIT,
+        "acquisitions",
+        join_all(
+            keys.iter()
+                .zip(&owners)
+                .map(|(key, owner)| backend.try_acquire(key, owner, TTL)),
+        ),
+    )
+    .await;
+    let runs = script_runs(&url).await - before;
+    assert!(runs < 20, "64 acquisitions in {runs} script runs");
+
+    let mut leases = Vec::new();
+    for (i, answer) in answers.into_iter().enumerate() {
+        if i == corrupt {
+            let error = answer.expect_err("a corrupt companion fails its acquisition");
+            assert!(
+                redis_error_in(&error).is_some_and(|e| e.to_string().contains("fencing companion")),
+                "{error:?}"
+            );
+            let taken: bool = conn.exists(&keys[i]).await.unwrap();
+            assert!(!taken, "the corrupt one's key is not taken");
+            let stored: String = conn.get(&fence).await.unwrap();
+            assert_eq!(stored, "not a number");
+            continue;
+        }
+        let token = acquired(&answer.unwrap());
+        let holder: String = conn.get(&keys[i]).await.unwrap();
+        assert_eq!(holder, owners[i].as_str(), "key {i} holds its own owner");
+        let counter: u64 = conn.get(backend.fence_key(&keys[i])).await.unwrap();
+        assert_eq!(counter, token, "key {i}'s companion holds its token");
+        leases.push(Lease::new(keys[i].as_str(), owners[i].clone(), token));
+    }
+    // One release with another owner token: not held, nothing freed.
+    let foreign = Lease::new(keys[0].as_str(), OwnerToken::new("b"), 1);
+
+    let before = script_runs(&url).await;
+    let released = within(
+        LIMIT,
+        "releases",
+        join_all(
+            leases
+                .iter()
+                .chain(std::iter::once(&foreign))
+                .map(|lease| backend.release(lease)),
+        ),
+    )
+    .await;
+    let runs = script_runs(&url).await - before;
+    assert!(runs < 20, "64 releases in {runs} script runs");
+    let (foreign_answer, own) = released.split_last().unwrap();
+    // The foreign release may come before or after key 0's own.
+    assert_eq!(*foreign_answer.as_ref().unwrap(), ReleaseOutcome::NotHeld);
+    for answer in own {
+        assert_eq!(*answer.as_ref().unwrap(), ReleaseOutcome::Released);
+    }
+    for (i, key) in keys.iter().enumerate() {
+        let held: bool = conn.exists(key).await.unwrap();
+        assert!(!held, "key {i} is free");
+    }
+}
+
+/// Many lockers on one backend, a few keys: batches under contention keep
+/// exclusion, and each key's tokens strictly increase from holder to
+/// holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_contention_keeps_exclusion_and_increasing_tokens() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let backend = CountingBackend::new(RedisBackend::from_url(&url).unwrap());
+    let holders: Arc<Mutex<HashMap<String, (bool, u64)>>> = Arc::default();
+    let cfg = LockConfig::default()
+        .retry_attempts(200)
+        .retry_delay(Duration::from_millis(5));
+    let before = script_runs(&url).await;
+    let mut tasks = Vec::new();
+    for t in 0..48 {
+        let (locker, holders) = (
+            node(backend.clone(), &format!("n{t}")),
+            Arc::clone(&holders),
+        );
+        tasks.push(tokio::spawn(async move {
+            for round in 0..20 {
+                let key = format!("contended {}", (t + round) % 6);
+                let (k, h) = (key.clone(), Arc::clone(&holders));
+                locker
+                    .with_lock_config(&key, &cfg, move |ctx| async move {
+                        let token = ctx.fencing_token();
+                        {
+                            let mut holders = h.lock().unwrap();
+                            let entry = holders.entry(k.clone()).or_insert((false, 0));
+                            assert!(!entry.0, "{k} has two holders");
+                            assert!(token > entry.1, "{k}: token {token} after {}", entry.1);
+                            *entry = (true, token);
+                        }
+                        tokio::task::yield_now().await;
+                        h.lock().unwrap().get_mut(&k).unwrap().0 = false;
+                    })
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    within(LIMIT * 3, "the contended rounds", join_all(tasks))
+        .await
+        .into_iter()
+        .for_each(|t| t.unwrap());
+    let runs = script_runs(&url).await - before;
+    let steps = backend.calls(Step::TryAcquire) + backend.calls(Step::Release);
+    assert!(
+        runs < steps,
+        "fewer script runs ({runs}) than steps ({steps}): some went out together"
+    );
+}
+
+/// Steps dropped while they wait in the queue change nothing for the
+/// others, and leave nothing counted: the next steps go out at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_waiting_steps_leave_the_backend_working() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let ttl = Duration::from_millis(1500);
+    let owner = OwnerToken::new("a");
+    let keys: Vec<String> = (0..32).map(|i| format!("dropped {i}")).collect();
+    // Polled once, then dropped: the first ones are on the wire, the
+    // others in the queue or in a batch.
+    let all = join_all(keys.iter().map(|key| backend.try_acquire(key, &owner, ttl)));
+    let _ = tokio::time::timeout(Duration::from_micros(1), all).await;
+
+    // The backend still answers, alone and in batches.
+    let others: Vec<String> = (0..32).map(|i| format!("after {i}")).collect();
+    let answers = within(
+        LIMIT,
+        "acquisitions after the drop",
+        join_all(
+            others
+                .iter()
+                .map(|key| backend.try_acquire(key, &owner, ttl)),
+        ),
+    )
+    .await;
+    for answer in answers {
+        acquired(&answer.unwrap());
+    }
+    // Whatever the dropped steps took expires with its ttl.
+    tokio::time::sleep(ttl + Duration::from_millis(300)).await;
+    let mut conn = raw(&url).await;
+    for key in &keys {
+        let held: bool = conn.exists(key).await.unwrap();
+        assert!(!held, "{key} expired");
+    }
+}
+
+/// Batched releases announce each freed key on the release channel when
+/// something listens there (here a plain subscriber, as another node's
+/// backend is), one message per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_releases_announce_every_key_to_a_listener() {
+    use futures_util::StreamExt;
+
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let mut listener = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    listener.subscribe(backend.channel()).await.unwrap();
+    let owner = OwnerToken::new("a");
+    let keys: Vec<String> = (0..24).map(|i| format!("announced {i}")).collect();
+    let answers = within(
+        LIMIT,
+        "acquisitions",
+        join_all(keys.iter().map(|key| backend.try_acquire(key, &owner, TTL))),
+    )
+    .await;
+    let leases: Vec<Lease> = keys
+        .iter()
+        .zip(answers)
+        .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), acquired(&answer.unwrap())))
+        .collect();
+    let before = script_runs(&url).await;
+    let released = within(
+        LIMIT,
+        "releases",
+        join_all(leases.iter().map(|lease| backend.release(lease))),
+    )
+    .await;
+    assert!(
+        script_runs(&url).await - before < 12,
+        "the releases went out in batches"
+    );
+    for answer in released {
+        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
+    }
+    let mut messages = listener.on_message();
+    let mut announced = Vec::new();
+    while announced.len() < keys.len() {
+        let message = within(LIMIT, "a release message", messages.next())
+            .await
+            .unwrap();
+        announced.push(message.get_payload::<String>().unwrap());
+    }
+    announced.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(announced, expected);
+}
