@@ -508,19 +508,34 @@ impl Step {
     }
 }
 
-/// A request counted on the wire (alone or a batch) until dropped, also
-/// when its caller is dropped first; then the next batch goes out.
-struct OnTheWire<'a>(&'a RedisBackend, Step);
+/// A step going out alone: counted on the wire until dropped (also when
+/// its caller is dropped first), then the next batch goes out. Not counted
+/// when batching is off.
+struct OnTheWire<'a>(Option<(&'a RedisBackend, Step)>);
 
 impl Drop for OnTheWire<'_> {
     fn drop(&mut self) {
-        if let Some(batch) = self.0.batcher(self.1).finished() {
-            self.0.send_batch(self.1, batch);
+        if let Some((backend, step)) = self.0 {
+            if let Some(batch) = backend.batcher(step).finished() {
+                backend.send_batch(step, batch);
+            }
         }
     }
 }
 
 impl RedisBackend {
+    /// Whether a step goes out alone now (`None`: it waits to go out in a
+    /// batch).
+    fn alone(&self, step: Step) -> Option<OnTheWire<'_>> {
+        if !self.inner.config.batch_steps {
+            Some(OnTheWire(None))
+        } else if self.batcher(step).go_alone() {
+            Some(OnTheWire(Some((self, step))))
+        } else {
+            None
+        }
+    }
+
     fn batcher(&self, step: Step) -> &Batcher {
         match step {
             Step::Acquisition => &self.inner.acquisitions,
@@ -829,30 +844,31 @@ impl LockBackend for RedisBackend {
             Some(durability) => {
                 Box::pin(self.acquire_durably(durability, [&lock_key, &fence], owner, ttl)).await?
             }
-            None if self.inner.acquisitions.go_alone() => {
-                let _counted = OnTheWire(self, Step::Acquisition);
-                self.run_script(
-                    "acquisition",
-                    &ACQUIRE,
-                    &[&lock_key, &fence],
-                    &[owner.as_str(), &ttl_ms(ttl)],
-                )
-                .await?
-            }
-            None => {
-                let answer = self
-                    .queued(
-                        Step::Acquisition,
-                        vec![lock_key.into_owned(), fence.clone()],
-                        vec![owner.as_str().to_owned(), ttl_ms(ttl)],
+            None => match self.alone(Step::Acquisition) {
+                Some(_counted) => {
+                    self.run_script(
+                        "acquisition",
+                        &ACQUIRE,
+                        &[&lock_key, &fence],
+                        &[owner.as_str(), &ttl_ms(ttl)],
                     )
-                    .await?;
-                match i64::from_redis_value(&answer) {
-                    Ok(-1) => return Err(corrupt_companion(&fence)),
-                    Ok(answer) => answer,
-                    Err(e) => return Err(protocol_error("acquisition", &e)),
+                    .await?
                 }
-            }
+                None => {
+                    let answer = self
+                        .queued(
+                            Step::Acquisition,
+                            vec![lock_key.into_owned(), fence.clone()],
+                            vec![owner.as_str().to_owned(), ttl_ms(ttl)],
+                        )
+                        .await?;
+                    match i64::from_redis_value(&answer) {
+                        Ok(-1) => return Err(corrupt_companion(&fence)),
+                        Ok(answer) => answer,
+                        Err(e) => return Err(protocol_error("acquisition", &e)),
+                    }
+                }
+            },
         };
         acquire_outcome(answer)
     }
@@ -931,8 +947,7 @@ impl LockBackend for RedisBackend {
     /// is safe.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
-        let answer = if self.inner.releases.go_alone() {
-            let _counted = OnTheWire(self, Step::Release);
+        let answer = if let Some(_counted) = self.alone(Step::Release) {
             self.run_script(
                 "release",
                 &RELEASE,

@@ -269,3 +269,47 @@ async fn batched_releases_announce_every_key_to_a_listener() {
     expected.sort();
     assert_eq!(announced, expected);
 }
+
+/// With batching off (as behind a proxy that routes by slot), every step is
+/// one script run of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_batching_off_every_step_goes_out_alone() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let config = lock_redis::RedisConfig::default().batch_steps(false);
+    let backend = RedisBackend::from_url_with(&url, config).unwrap();
+    let owner = OwnerToken::new("a");
+    // Both scripts loaded first: a call that meets NOSCRIPT counts twice.
+    let warm = acquired(&backend.try_acquire("warm", &owner, TTL).await.unwrap());
+    backend
+        .release(&Lease::new("warm", owner.clone(), warm))
+        .await
+        .unwrap();
+    let keys: Vec<String> = (0..32).map(|i| format!("alone {i}")).collect();
+    let before = script_runs(&url).await;
+    let answers = within(
+        LIMIT,
+        "acquisitions",
+        join_all(keys.iter().map(|key| backend.try_acquire(key, &owner, TTL))),
+    )
+    .await;
+    let leases: Vec<Lease> = keys
+        .iter()
+        .zip(answers)
+        .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), acquired(&answer.unwrap())))
+        .collect();
+    let released = within(
+        LIMIT,
+        "releases",
+        join_all(leases.iter().map(|lease| backend.release(lease))),
+    )
+    .await;
+    for answer in released {
+        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
+    }
+    assert_eq!(
+        script_runs(&url).await - before,
+        64,
+        "one script run per step"
+    );
+}
