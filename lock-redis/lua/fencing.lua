@@ -1,5 +1,5 @@
--- The acquisition step, shared by the one-key script (acquire.lua) and the
--- batch script (acquire_batch.lua); each is this file followed by its own.
+-- The acquisition step of a batch (acquire_batch.lua, which follows this
+-- file): the one-key script's (acquire.lua), written as a function.
 --
 -- acquire(lock, fence, owner, ttl) takes `lock` (the lock key) for `owner`
 -- (`<node id>/<32 hex>`) for `ttl` milliseconds and draws the fencing token

@@ -20,15 +20,11 @@ use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
 use crate::subscription::{PubSubTarget, Subscription};
 
-/// The acquisition script: the shared step (`lua/fencing.lua`) and its
-/// one-key call.
-pub(crate) const ACQUIRE_LUA: &str = concat!(
-    include_str!("../lua/fencing.lua"),
-    "\n",
-    include_str!("../lua/acquire.lua")
-);
+/// The acquisition script.
+pub(crate) const ACQUIRE_LUA: &str = include_str!("../lua/acquire.lua");
 pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
-/// Several acquisitions in one script run (see [`crate::batch`]).
+/// Several acquisitions in one script run (see [`crate::batch`]): the
+/// step as a function (`lua/fencing.lua`), and the loop.
 static ACQUIRE_BATCH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("../lua/fencing.lua"),

@@ -313,3 +313,75 @@ async fn with_batching_off_every_step_goes_out_alone() {
         "one script run per step"
     );
 }
+
+/// The batch script's step is the one-key script's: a counter ahead of the
+/// clock counts on by one, up to 2^53 - 1; a corrupt or exhausted counter
+/// fails its own step only; a missing one gives the server clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_acquisitions_draw_tokens_as_the_one_key_script() {
+    let server = RedisServer::start().unwrap();
+    let url = server.url();
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let mut conn = raw(&url).await;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let clock = secs * 1_000_000 + micros;
+    let ahead = clock + 86_400 * 1_000_000;
+    // Fillers first, so that the cases below wait in the queue and go out
+    // in a batch.
+    let mut cases: Vec<(String, Option<String>)> =
+        (0..4).map(|i| (format!("filler {i}"), None)).collect();
+    cases.push(("ahead".into(), Some(ahead.to_string())));
+    cases.push(("last".into(), Some("9007199254740990".into())));
+    cases.push(("exhausted".into(), Some("9007199254740991".into())));
+    cases.push(("leading zero".into(), Some("007".into())));
+    cases.push(("missing".into(), None));
+    for i in 0..8 {
+        cases.push((format!("more {i}"), None));
+    }
+    for (key, stored) in &cases {
+        if let Some(stored) = stored {
+            let _: () = conn.set(backend.fence_key(key), stored).await.unwrap();
+        }
+    }
+    let owner = OwnerToken::new("a");
+    let before = script_runs(&url).await;
+    let answers = within(
+        LIMIT,
+        "acquisitions",
+        join_all(
+            cases
+                .iter()
+                .map(|(key, _)| backend.try_acquire(key, &owner, TTL)),
+        ),
+    )
+    .await;
+    assert!(
+        script_runs(&url).await - before < cases.len() as u64,
+        "some went out together"
+    );
+    for ((key, _), answer) in cases.iter().zip(answers) {
+        match key.as_str() {
+            "ahead" => assert_eq!(acquired(&answer.unwrap()), ahead + 1),
+            "last" => assert_eq!(acquired(&answer.unwrap()), 9_007_199_254_740_991),
+            "exhausted" | "leading zero" => {
+                let error = answer.expect_err("no token from a corrupt counter");
+                assert!(
+                    redis_error_in(&error)
+                        .is_some_and(|e| e.to_string().contains("fencing companion")),
+                    "{key}: {error:?}"
+                );
+                let taken: bool = conn.exists(key).await.unwrap();
+                assert!(!taken, "{key}: the lock key was not taken");
+            }
+            _ => {
+                let token = acquired(&answer.unwrap());
+                assert!(
+                    token >= clock,
+                    "{key}: token {token} below the clock {clock}"
+                );
+                let stored: u64 = conn.get(backend.fence_key(key)).await.unwrap();
+                assert_eq!(stored, token, "{key}: the companion holds the token");
+            }
+        }
+    }
+}
