@@ -1,4 +1,5 @@
-//! `RedisBackend`: the lock steps as one Lua script each, on the user's pool.
+//! `RedisBackend`: the lock steps as one Lua script each (concurrent ones
+//! in batches, see [`crate::batch`]), on the user's pool.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -44,7 +45,9 @@ static RELEASE_BATCH: LazyLock<Script> =
 pub const CHANNEL: &str = "withlock:released";
 
 /// A lock backend on Redis: `SET NX PX`, a fencing counter per key, and
-/// release notifications over one pub/sub connection.
+/// release notifications over one pub/sub connection. Under load, the
+/// acquisitions and releases that many tasks make at once go out as one
+/// script run (see [`RedisConfig::batch_steps`]).
 ///
 /// Cheap to clone; clones share the pool and the subscription. The
 /// subscription task ends when the last clone is dropped.
