@@ -41,6 +41,34 @@ fn acquired(outcome: &AcquireOutcome) -> u64 {
     }
 }
 
+/// Takes every key at once for `owner` (beyond the first two, they go out
+/// in batches); gives their leases.
+async fn take_all(backend: &RedisBackend, keys: &[String], owner: &OwnerToken) -> Vec<Lease> {
+    let answers = within(
+        LIMIT,
+        "acquisitions",
+        join_all(keys.iter().map(|key| backend.try_acquire(key, owner, TTL))),
+    )
+    .await;
+    keys.iter()
+        .zip(answers)
+        .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), acquired(&answer.unwrap())))
+        .collect()
+}
+
+/// Releases every lease at once; each must find its key still held.
+async fn release_all(backend: &RedisBackend, leases: &[Lease]) {
+    let released = within(
+        LIMIT,
+        "releases",
+        join_all(leases.iter().map(|lease| backend.release(lease))),
+    )
+    .await;
+    for answer in released {
+        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
+    }
+}
+
 /// 64 acquisitions polled at once: the first few go out alone, the rest in
 /// batches; each gets its own token, the one with a corrupt companion alone
 /// fails (taking nothing), and the server ran far fewer scripts than steps.
@@ -231,31 +259,13 @@ async fn batched_releases_announce_every_key_to_a_listener() {
     listener.subscribe(backend.channel()).await.unwrap();
     let owner = OwnerToken::new("a");
     let keys: Vec<String> = (0..24).map(|i| format!("announced {i}")).collect();
-    let answers = within(
-        LIMIT,
-        "acquisitions",
-        join_all(keys.iter().map(|key| backend.try_acquire(key, &owner, TTL))),
-    )
-    .await;
-    let leases: Vec<Lease> = keys
-        .iter()
-        .zip(answers)
-        .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), acquired(&answer.unwrap())))
-        .collect();
+    let leases = take_all(&backend, &keys, &owner).await;
     let before = script_runs(&url).await;
-    let released = within(
-        LIMIT,
-        "releases",
-        join_all(leases.iter().map(|lease| backend.release(lease))),
-    )
-    .await;
+    release_all(&backend, &leases).await;
     assert!(
         script_runs(&url).await - before < 12,
         "the releases went out in batches"
     );
-    for answer in released {
-        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
-    }
     let mut messages = listener.on_message();
     let mut announced = Vec::new();
     while announced.len() < keys.len() {
@@ -287,26 +297,8 @@ async fn with_batching_off_every_step_goes_out_alone() {
         .unwrap();
     let keys: Vec<String> = (0..32).map(|i| format!("alone {i}")).collect();
     let before = script_runs(&url).await;
-    let answers = within(
-        LIMIT,
-        "acquisitions",
-        join_all(keys.iter().map(|key| backend.try_acquire(key, &owner, TTL))),
-    )
-    .await;
-    let leases: Vec<Lease> = keys
-        .iter()
-        .zip(answers)
-        .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), acquired(&answer.unwrap())))
-        .collect();
-    let released = within(
-        LIMIT,
-        "releases",
-        join_all(leases.iter().map(|lease| backend.release(lease))),
-    )
-    .await;
-    for answer in released {
-        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
-    }
+    let leases = take_all(&backend, &keys, &owner).await;
+    release_all(&backend, &leases).await;
     assert_eq!(
         script_runs(&url).await - before,
         64,
