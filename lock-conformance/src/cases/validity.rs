@@ -42,8 +42,12 @@ pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
     let (ctx_tx, ctx_rx) = oneshot::channel::<LockContext>();
 
     // Node A runs on a one-thread runtime of its own, which its callback
-    // blocks: its extender cannot run either.
+    // blocks: its extender cannot run either. The runtime then runs on
+    // until the case ends: connections it opened may be in the backend's
+    // pool, and work only while the runtime that opened them drives them.
     let (l, k) = (a.clone(), key.clone());
+    let (a_result_tx, a_result_rx) = oneshot::channel();
+    let (case_over_tx, case_over_rx) = oneshot::channel::<()>();
     let stalled = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -51,16 +55,19 @@ pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
             .expect("a runtime for node a");
         runtime.block_on(async move {
             let cfg = LockConfig::default().ttl(SHORT_TTL);
-            l.with_lock_config(&k, &cfg, move |ctx| {
-                let _ = ctx_tx.send(ctx);
-                async move {
-                    // Blocks until node B holds the key, then a little more.
-                    let _ = b_holds_rx.recv_timeout(SOON);
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            })
-            .await
-        })
+            let got = l
+                .with_lock_config(&k, &cfg, move |ctx| {
+                    let _ = ctx_tx.send(ctx);
+                    async move {
+                        // Blocks until node B holds the key, then a little more.
+                        let _ = b_holds_rx.recv_timeout(SOON);
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                })
+                .await;
+            let _ = a_result_tx.send(got);
+            let _ = case_over_rx.await;
+        });
     });
     let ctx = within(SOON, "a's callback starts", ctx_rx).await.unwrap();
 
@@ -73,15 +80,9 @@ pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
         })
         .await
     });
-    let got = within(SOON, "a's call settles", async {
-        loop {
-            if stalled.is_finished() {
-                return stalled.join().expect("node a's thread");
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await;
+    let got = within(SOON, "a's call settles", a_result_rx)
+        .await
+        .expect("node a's thread");
     let _ = a_done_tx.send(());
     assert_lost(&got, "a holder that stalled past its ttl");
     assert!(ctx.is_lost(), "the context agrees with the call");
@@ -96,6 +97,11 @@ pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
         .unwrap()
         .expect("b took the key after a's ttl");
     assert_free(&backend, &key, "after both calls").await;
+    let _ = case_over_tx.send(());
+    tokio::task::spawn_blocking(move || stalled.join())
+        .await
+        .expect("joining node a's thread")
+        .expect("node a's thread");
 }
 
 /// \[O6\] A key deleted and taken by another client before the first
