@@ -41,6 +41,13 @@ pub fn redis_error_in<'e>(
     None
 }
 
+/// Whether `error` is the acquisition scripts' refusal of a fencing
+/// companion that holds no counter (the one-key script's error, or the
+/// batch's answer for that step, which gives the same text).
+pub fn refused_for_its_counter(error: &BackendError) -> bool {
+    redis_error_in(error).is_some_and(|e| e.to_string().contains("fencing companion"))
+}
+
 /// The loss cause of a `Lost` error; panics on anything else.
 pub fn loss_cause(result: Result<(), LockError>) -> LossCause {
     match result {
