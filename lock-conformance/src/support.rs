@@ -110,6 +110,22 @@ pub async fn assert_free(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
     assert!(got.is_ok(), "{why}: key {key:?} is still held: {got:?}");
 }
 
+/// Asserts that `key` is freed soon, well before any ttl of the cases runs
+/// out: a patient node takes it within [`SOON`]. For a key a dropped call
+/// may still be touching: its attempt in flight finishes in the background
+/// and may take the key just after its holder let go, to give it back at
+/// once \[C1\].
+pub async fn assert_freed_soon(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
+    let waiter = node(Arc::clone(backend), "waiter");
+    let got = within(
+        SOON,
+        why,
+        waiter.with_lock_config(key, &patient(), |_| async {}),
+    )
+    .await;
+    assert!(got.is_ok(), "{why}: key {key:?} was not freed: {got:?}");
+}
+
 /// Asserts that `key` is held: another node cannot take it.
 pub async fn assert_held(backend: &Arc<DynLockBackend>, key: &str, why: &str) {
     let got = probe(backend, key, why).await;

@@ -8,7 +8,7 @@ use lock_core::LockConfig;
 use tokio::sync::oneshot;
 
 use crate::faults::{FaultInjector, Step};
-use crate::support::{assert_free, node, patient, within, BackendFactory, Namespace, SOON};
+use crate::support::{assert_freed_soon, node, patient, within, BackendFactory, Namespace, SOON};
 
 struct SetOnDrop(Arc<AtomicBool>);
 
@@ -34,7 +34,8 @@ pub async fn c1_drop_while_waiting_leaves_nothing_held(factory: Arc<dyn BackendF
         .await
         .is_err());
     held.release().await.unwrap();
-    assert_free(&backend, &key, "after a waiter was dropped").await;
+    // Its attempt may have been on the wire when it was dropped.
+    assert_freed_soon(&backend, &key, "after a waiter was dropped").await;
     assert_eq!(b.held(), 0);
 
     // Dropped while its attempt is on the wire: the lock it takes is given back.
@@ -135,6 +136,6 @@ pub async fn c3_timeout_behaves_as_drop(factory: Arc<dyn BackendFactory>) {
     .await;
     assert!(waiting.is_err(), "the timeout fired while waiting");
     held.release().await.unwrap();
-    assert_free(&backend, &key, "after a timeout while waiting").await;
+    assert_freed_soon(&backend, &key, "after a timeout while waiting").await;
     assert_eq!(a.held() + b.held(), 0);
 }
