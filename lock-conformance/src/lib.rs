@@ -56,8 +56,8 @@ use std::time::Duration;
 pub use counting::CountingBackend;
 pub use faults::{is_injected, FaultInjector, InjectedFault, Step};
 pub use support::{
-    assert_free, assert_held, node, once, patient, within, BackendFactory, Namespace, RETRY,
-    SHORT_TTL, SOON,
+    assert_free, assert_freed_soon, assert_held, node, once, patient, within, BackendFactory,
+    Namespace, RETRY, SHORT_TTL, SOON,
 };
 
 /// A case as the list holds it.
