@@ -24,10 +24,22 @@ pub const MAX_KEY_LEN: usize = 1024;
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct OwnerToken(Arc<str>);
 
+/// The two hex digits of every byte, so that a token's 16 random bytes
+/// take 16 look-ups.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut pairs = [[0u8; 2]; 256];
+    let mut i = 0;
+    while i < 256 {
+        pairs[i] = [HEX[i >> 4], HEX[i & 0xf]];
+        i += 1;
+    }
+    pairs
+};
+
 impl OwnerToken {
     /// Draws a new token for `node_id`.
     pub fn new(node_id: &str) -> Self {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
         // Built on the stack, so that the token costs one allocation, the
         // shared string's.
         let mut buf = [0u8; 128];
@@ -41,10 +53,9 @@ impl OwnerToken {
         let (node, secret) = value.split_at_mut(node_id.len());
         node.copy_from_slice(node_id.as_bytes());
         secret[0] = b'/';
-        let mut bits = rand::random::<u128>();
-        for digit in secret[1..].iter_mut().rev() {
-            *digit = HEX[(bits & 0xf) as usize];
-            bits >>= 4;
+        let bits = rand::random::<u128>().to_be_bytes();
+        for (pair, byte) in secret[1..].chunks_exact_mut(2).zip(bits) {
+            pair.copy_from_slice(&HEX_PAIRS[usize::from(byte)]);
         }
         match std::str::from_utf8(value) {
             Ok(value) => Self(value.into()),

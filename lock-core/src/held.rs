@@ -65,7 +65,7 @@ impl HeldLock {
             ttl,
             locker_id,
             holder,
-            valid_from_acquisition: sent_at + ttl - drift(ttl),
+            valid_from_acquisition: sent_at + ttl.saturating_sub(drift(ttl)),
             extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
@@ -77,8 +77,12 @@ impl HeldLock {
 
     /// Until when the lock is certainly ours.
     pub(crate) fn valid_until(&self) -> Instant {
-        let extended = self.extended_by_nanos.load(Ordering::Acquire);
-        self.valid_from_acquisition + Duration::from_nanos(extended)
+        match self.extended_by_nanos.load(Ordering::Acquire) {
+            // Not extended yet, as most locks are at every read: no
+            // arithmetic on an `Instant`, which normalises and checks.
+            0 => self.valid_from_acquisition,
+            extended => self.valid_from_acquisition + Duration::from_nanos(extended),
+        }
     }
 
     /// Whether the lock is certainly still ours at `now`.
@@ -89,7 +93,8 @@ impl HeldLock {
     /// When the next extension is due: a third of the ttl after the request
     /// that last confirmed the lock was sent.
     pub(crate) fn extension_due(&self) -> Instant {
-        self.valid_until() + drift(self.ttl) - self.ttl * 2 / 3
+        // MIN_TTL keeps two thirds of the ttl above the drift margin.
+        self.valid_until() - (self.ttl * 2 / 3).saturating_sub(drift(self.ttl))
     }
 
     /// Records an extension sent at `sent_at` that the store confirmed.
