@@ -299,7 +299,8 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
         if self.is_stolen(lease.key()) {
             return Ok(ReleaseOutcome::NotHeld);
         }
-        self.inner.release(lease).await
+        let answer = self.inner.release(lease).await;
+        self.lose_answer(Step::Release, answer)
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {

@@ -51,18 +51,33 @@ impl OwedRelease {
     /// Sends the release, and sends it again with a short backoff after a
     /// failure until `deadline` (a release is idempotent, and the backend
     /// takes a fresh connection after an error), so that the answer says
-    /// whether the key was still ours. Gives the last answer.
+    /// whether the key was still ours. Gives the last answer, except that
+    /// "not held" after a failed try that may have been applied proves
+    /// nothing (that try may have released it): then the failure is given.
     pub(crate) async fn send_until(
         mut self,
         deadline: Instant,
     ) -> Result<ReleaseOutcome, BackendError> {
         let mut pause = RETRY_PAUSE;
+        // The first failed try whose request may have reached the store.
+        let mut maybe_applied: Option<BackendError> = None;
         let answer = loop {
             let answer = self.registry.backend.release(&self.lease).await;
-            if answer.is_err() {
-                self.registry
-                    .meter
-                    .backend_error(self.lease.key_arc(), Step::Release);
+            match &answer {
+                Ok(ReleaseOutcome::NotHeld) => {
+                    if let Some(error) = maybe_applied.take() {
+                        break Err(error);
+                    }
+                }
+                Ok(ReleaseOutcome::Released) => {}
+                Err(error) => {
+                    self.registry
+                        .meter
+                        .backend_error(self.lease.key_arc(), Step::Release);
+                    if maybe_applied.is_none() && error.may_have_reached_store() {
+                        maybe_applied = Some(error.clone());
+                    }
+                }
             }
             if answer.is_ok() || Instant::now() + pause >= deadline {
                 break answer;

@@ -244,8 +244,9 @@ pub async fn s1_shutdown_returns_after_owed_releases(factory: Arc<dyn BackendFac
 
 /// \[O6\] A release that fails is sent again while the lock is valid: a
 /// passing failure still ends in `Ok`, but when no release is answered
-/// before the validity runs out, nothing proves the key was still ours and
-/// the call is lost with the backend error as cause.
+/// before the validity runs out, or the one answered finds the key free
+/// after a try that may have freed it, nothing proves the key was still
+/// ours and the call is lost with the backend error as cause.
 pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
@@ -263,6 +264,29 @@ pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
     .await;
     assert!(got.is_ok(), "the third release answered: {got:?}");
     assert_free(&backend, &key, "after the answered release").await;
+
+    // The first release is applied but its answer lost: the second finds
+    // the key free, which proves nothing (the first may have freed it, or
+    // the key may have been taken meanwhile), so the call is lost with the
+    // first try's error, not told the key was taken.
+    faulty.lose_answers(Step::Release, 1);
+    let got = within(
+        SOON,
+        "a release whose answer is lost",
+        a.with_lock_config(&key, &cfg, |_| async {}),
+    )
+    .await;
+    assert!(
+        matches!(
+            &got,
+            Err(LockError::Lost {
+                cause: LossCause::Backend(e),
+                ..
+            }) if crate::faults::is_injected(e)
+        ),
+        "expected Lost with the lost answer's error, got {got:?}"
+    );
+    assert_free(&backend, &key, "after the applied release").await;
 
     faulty.fail_always(Step::Release, true);
     let (ctx_tx, ctx_rx) = oneshot::channel();
