@@ -26,7 +26,43 @@ impl Inner {
     /// the store (a hung server runs it when it wakes up), the key's
     /// clean-up releases it with the same owner token until its ttl has run
     /// out.
+    ///
+    /// `sent_at` is the clock read just before; the second value says
+    /// whether the backend answered at once, without awaiting
+    /// ([`LockBackend::try_acquire_now`](crate::LockBackend::try_acquire_now)).
     pub(crate) async fn attempt(
+        &self,
+        key: &Arc<str>,
+        owner: &OwnerToken,
+        ttl: Duration,
+        sent_at: Instant,
+    ) -> (Result<AcquireOutcome, BackendError>, bool) {
+        if let Some(answer) = self
+            .registry
+            .backend
+            .try_acquire_now(key, owner, ttl, sent_at)
+        {
+            if let Err(error) = &answer {
+                self.failed(key, owner, ttl, error);
+            }
+            return (answer, true);
+        }
+        (self.attempt_in_flight(key, owner, ttl).await, false)
+    }
+
+    /// Counts a failed attempt, and has the key cleaned up if the attempt
+    /// may have taken it.
+    fn failed(&self, key: &Arc<str>, owner: &OwnerToken, ttl: Duration, error: &BackendError) {
+        self.registry.meter.backend_error(key, Step::TryAcquire);
+        if error.may_have_reached_store() {
+            let until = Instant::now() + ttl;
+            self.registry
+                .cleanup
+                .add(&self.registry, key, owner.clone(), until);
+        }
+    }
+
+    async fn attempt_in_flight(
         &self,
         key: &Arc<str>,
         owner: &OwnerToken,
@@ -55,13 +91,7 @@ impl Inner {
         };
         let (answer, ..) = finish_even_if_dropped(step, orphan).await;
         if let Err(error) = &answer {
-            self.registry.meter.backend_error(key, Step::TryAcquire);
-            if error.may_have_reached_store() {
-                let until = Instant::now() + ttl;
-                self.registry
-                    .cleanup
-                    .add(&self.registry, key, owner.clone(), until);
-            }
+            self.failed(key, owner, ttl, error);
         }
         answer
     }
@@ -69,17 +99,20 @@ impl Inner {
     /// Turns an acquired lease into a held lock, unless its answer came too
     /// late to use \[H6\]: then it is released and the attempt counts as
     /// failed. A lock taken after shutdown began is released too, and the
-    /// call never settles \[S2\].
+    /// call never settles \[S2\]. An answer given `at_once` came at
+    /// `sent_at`: the backend's expiry counts from the same clock reading.
     pub(crate) async fn hold(
         &self,
         lease: Lease,
         ttl: Duration,
         sent_at: Instant,
+        at_once: bool,
         holder: Holder,
     ) -> Result<(u64, Arc<HeldLock>), BackendError> {
         let meter = self.registry.meter.clone();
         let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder, meter));
-        if !held.is_valid_at(Instant::now()) {
+        let answered_at = if at_once { sent_at } else { Instant::now() };
+        if !held.is_valid_at(answered_at) {
             tracing::debug!(key = %held.lease.key(), "acquisition answered after the lease's validity ran out; releasing it");
             self.registry
                 .meter
@@ -122,16 +155,18 @@ impl Holding {
     /// next task of this node in \[H3\]. A release that fails is sent again
     /// while the lock is still valid, so that the answer can say whether the
     /// key was still ours \[O6\]. `None` when the lock was no longer this
-    /// call's to release (lost, or released by shutdown).
+    /// call's to release (lost, or released by shutdown). `now` is the clock
+    /// read just before.
     pub(crate) async fn release(
         mut self,
+        now: Instant,
     ) -> Option<Result<crate::backend::ReleaseOutcome, BackendError>> {
         self.armed = false;
         let owed = self.inner.registry.take_for_release(self.id)?;
         let deadline = self.held.valid_until();
         // Dropped before the answer, it sends the release again in the
         // background: a release can be repeated.
-        let answer = owed.sent_again_if_dropped().send_until(deadline).await;
+        let answer = owed.sent_again_if_dropped().send_until(deadline, now).await;
         drop(self.pass.take());
         Some(answer)
     }
@@ -221,7 +256,7 @@ impl Locker {
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
                 let slot_due = sent_at >= *next_slot;
-                let answer = inner.attempt(key, &owner, config.ttl).await;
+                let (answer, at_once) = inner.attempt(key, &owner, config.ttl, sent_at).await;
                 if let Some(woken) = woken.take() {
                     inner.registry.meter.notification_lag(key, &woken);
                 }
@@ -229,7 +264,7 @@ impl Locker {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
                         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
                         match inner
-                            .hold(lease, config.ttl, sent_at, Holder::Callback)
+                            .hold(lease, config.ttl, sent_at, at_once, Holder::Callback)
                             .await
                         {
                             Ok((id, held)) => {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::time::Instant;
 
 use crate::error::BackendError;
 use crate::notify::ReleaseWatch;
@@ -305,6 +306,37 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// Frees the key of `lease`, if it still holds it.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError>;
 
+    /// [`try_acquire`](Self::try_acquire) answered at once, for a backend
+    /// that keeps its locks in this process and never waits: `Some(answer)`
+    /// spares the driver a boxed future, and a dropped caller has nothing in
+    /// flight. `now` is the driver's clock when it made the attempt; the
+    /// lock expires `ttl` after it. The answer must be the one
+    /// `try_acquire` would give at `now`. The default, `None`, makes the
+    /// driver call `try_acquire`.
+    fn try_acquire_now(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        now: Instant,
+    ) -> Option<Result<AcquireOutcome, BackendError>> {
+        let _ = (key, owner, ttl, now);
+        None
+    }
+
+    /// [`release`](Self::release) answered at once, as
+    /// [`try_acquire_now`](Self::try_acquire_now): `now` is the driver's
+    /// clock when it let go of the lock. The default, `None`, makes the
+    /// driver call `release`.
+    fn release_now(
+        &self,
+        lease: &Lease,
+        now: Instant,
+    ) -> Option<Result<ReleaseOutcome, BackendError>> {
+        let _ = (lease, now);
+        None
+    }
+
     /// A watch that wakes when `key` may have become free. Called only when
     /// [`Capabilities::release_notifications`] is true; other backends return
     /// [`ReleaseWatch::never`].
@@ -385,6 +417,30 @@ macro_rules! forward_lock_backend {
             ) -> ::std::result::Result<$crate::ReleaseWatch, $crate::BackendError> {
                 let $this = self;
                 $crate::LockBackend::watch_release($inner, key).await
+            }
+
+            fn try_acquire_now(
+                &self,
+                key: &str,
+                owner: &$crate::OwnerToken,
+                ttl: ::std::time::Duration,
+                now: $crate::__macro_support::Instant,
+            ) -> ::std::option::Option<
+                ::std::result::Result<$crate::AcquireOutcome, $crate::BackendError>,
+            > {
+                let $this = self;
+                $crate::LockBackend::try_acquire_now($inner, key, owner, ttl, now)
+            }
+
+            fn release_now(
+                &self,
+                lease: &$crate::Lease,
+                now: $crate::__macro_support::Instant,
+            ) -> ::std::option::Option<
+                ::std::result::Result<$crate::ReleaseOutcome, $crate::BackendError>,
+            > {
+                let $this = self;
+                $crate::LockBackend::release_now($inner, lease, now)
             }
         }
     };

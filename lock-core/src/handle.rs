@@ -81,10 +81,14 @@ impl LockHandle {
         }
         let owner = OwnerToken::new(&inner.node_id);
         let sent_at = tokio::time::Instant::now();
-        match inner.attempt(&self.key, &owner, self.ttl).await {
+        let (answer, at_once) = inner.attempt(&self.key, &owner, self.ttl, sent_at).await;
+        match answer {
             Ok(AcquireOutcome::Acquired { fencing_token }) => {
                 let lease = Lease::new(Arc::clone(&self.key), owner, fencing_token);
-                match inner.hold(lease, self.ttl, sent_at, Holder::Handle).await {
+                match inner
+                    .hold(lease, self.ttl, sent_at, at_once, Holder::Handle)
+                    .await
+                {
                     Ok(held) => {
                         self.held = Some(held);
                         Ok(true)

@@ -81,3 +81,9 @@ pub use shutdown::ShutdownReport;
 /// Re-exported so that backend crates implement the trait with the same
 /// macro version.
 pub use async_trait::async_trait;
+
+/// What [`forward_lock_backend!`] names from its users' crates.
+#[doc(hidden)]
+pub mod __macro_support {
+    pub use tokio::time::Instant;
+}

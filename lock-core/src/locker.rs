@@ -267,10 +267,11 @@ impl Locker {
                 // whole callback: still valid when it settled (a holder that
                 // stalled past its ttl is told here, even when no extension
                 // ran meanwhile), and found ours by the release.
-                if !held.is_valid_at(Instant::now()) {
+                let now = Instant::now();
+                if !held.is_valid_at(now) {
                     held.mark_lost(LossCause::Expired);
                 }
-                match lock.release().await {
+                match lock.release(now).await {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
                         held.mark_lost(LossCause::Taken);
                     }

@@ -45,7 +45,8 @@ impl OwedRelease {
 
     /// Sends the release and waits for the store's answer.
     pub(crate) async fn send(self) -> Result<ReleaseOutcome, BackendError> {
-        self.send_until(Instant::now()).await
+        let now = Instant::now();
+        self.send_until(now, now).await
     }
 
     /// Sends the release, and sends it again with a short backoff after a
@@ -54,15 +55,21 @@ impl OwedRelease {
     /// whether the key was still ours. Gives the last answer, except that
     /// "not held" after a failed try that may have been applied proves
     /// nothing (that try may have released it): then the failure is given.
+    /// `now` is the clock read just before.
     pub(crate) async fn send_until(
         mut self,
         deadline: Instant,
+        mut now: Instant,
     ) -> Result<ReleaseOutcome, BackendError> {
         let mut pause = RETRY_PAUSE;
         // The first failed try whose request may have reached the store.
         let mut maybe_applied: Option<BackendError> = None;
         let answer = loop {
-            let answer = self.registry.backend.release(&self.lease).await;
+            let backend = &self.registry.backend;
+            let answer = match backend.release_now(&self.lease, now) {
+                Some(answer) => answer,
+                None => backend.release(&self.lease).await,
+            };
             match &answer {
                 Ok(ReleaseOutcome::NotHeld) => {
                     if let Some(error) = maybe_applied.take() {
@@ -87,6 +94,7 @@ impl OwedRelease {
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_RETRY_PAUSE);
+            now = Instant::now();
         };
         match &answer {
             Ok(outcome) => {

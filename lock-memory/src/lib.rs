@@ -114,6 +114,52 @@ impl MemoryBackend {
             .map(|h| h.expires_at - now)
     }
 
+    fn acquire_at(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        now: Instant,
+    ) -> AcquireOutcome {
+        let mut state = self.lock();
+        let State { held, fence } = &mut *state;
+        let entry = held.entry_ref(key);
+        if let EntryRef::Occupied(slot) = &entry {
+            if slot.get().expires_at > now {
+                return AcquireOutcome::Busy;
+            }
+        }
+        *fence += 1;
+        let fencing_token = *fence;
+        // An expired holder's entry is reused, key and all.
+        entry.insert(Holder {
+            owner: owner.clone(),
+            expires_at: now + ttl,
+        });
+        AcquireOutcome::Acquired { fencing_token }
+    }
+
+    fn release_at(&self, lease: &Lease, now: Instant) -> ReleaseOutcome {
+        let mut state = self.lock();
+        let outcome = match state.held.entry_ref(lease.key()) {
+            EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
+                // Expired: free, and this lease no longer holds it.
+                slot.remove();
+                ReleaseOutcome::NotHeld
+            }
+            EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
+                slot.remove();
+                ReleaseOutcome::Released
+            }
+            EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
+        };
+        drop(state);
+        if outcome == ReleaseOutcome::Released {
+            self.inner.hub.notify(lease.key());
+        }
+        outcome
+    }
+
     fn extend_one(state: &mut State, lease: &Lease, ttl: Duration, now: Instant) -> ExtendOutcome {
         match state.held.get_mut(lease.key()) {
             Some(h) if h.expires_at <= now => ExtendOutcome::Expired,
@@ -150,23 +196,7 @@ impl LockBackend for MemoryBackend {
         owner: &OwnerToken,
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
-        let now = Instant::now();
-        let mut state = self.lock();
-        let State { held, fence } = &mut *state;
-        let entry = held.entry_ref(key);
-        if let EntryRef::Occupied(slot) = &entry {
-            if slot.get().expires_at > now {
-                return Ok(AcquireOutcome::Busy);
-            }
-        }
-        *fence += 1;
-        let fencing_token = *fence;
-        // An expired holder's entry is reused, key and all.
-        entry.insert(Holder {
-            owner: owner.clone(),
-            expires_at: now + ttl,
-        });
-        Ok(AcquireOutcome::Acquired { fencing_token })
+        Ok(self.acquire_at(key, owner, ttl, Instant::now()))
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
@@ -191,25 +221,27 @@ impl LockBackend for MemoryBackend {
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        let now = Instant::now();
-        let mut state = self.lock();
-        let outcome = match state.held.entry_ref(lease.key()) {
-            EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
-                // Expired: free, and this lease no longer holds it.
-                slot.remove();
-                ReleaseOutcome::NotHeld
-            }
-            EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
-                slot.remove();
-                ReleaseOutcome::Released
-            }
-            EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
-        };
-        drop(state);
-        if outcome == ReleaseOutcome::Released {
-            self.inner.hub.notify(lease.key());
-        }
-        Ok(outcome)
+        Ok(self.release_at(lease, Instant::now()))
+    }
+
+    // Every step answers at once: the driver takes these, with its own
+    // clock reading, and needs no boxed future.
+    fn try_acquire_now(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        now: Instant,
+    ) -> Option<Result<AcquireOutcome, BackendError>> {
+        Some(Ok(self.acquire_at(key, owner, ttl, now)))
+    }
+
+    fn release_now(
+        &self,
+        lease: &Lease,
+        now: Instant,
+    ) -> Option<Result<ReleaseOutcome, BackendError>> {
+        Some(Ok(self.release_at(lease, now)))
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
