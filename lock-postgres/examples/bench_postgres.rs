@@ -22,8 +22,8 @@ use lock_postgres::testing::{database_url, TestBackend};
 use lock_postgres::PostgresConfig;
 use tokio::time::Instant;
 
-const ROUNDS: usize = 6;
-const CYCLES_PER_ROUND: usize = 300;
+const ROUNDS: usize = 12;
+const CYCLES_PER_ROUND: usize = 150;
 const HANDOFFS: usize = 60;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -66,12 +66,14 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
         locker.with_lock(&key, |_| async {}).await?;
     }
     let (mut locked, mut raw) = (Duration::ZERO, Duration::ZERO);
+    let mut round_ratios = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
         let started = Instant::now();
         for _ in 0..CYCLES_PER_ROUND {
             locker.with_lock(&key, |_| async {}).await?;
         }
-        locked += started.elapsed();
+        let locked_round = started.elapsed();
+        locked += locked_round;
 
         let started = Instant::now();
         for _ in 0..CYCLES_PER_ROUND {
@@ -91,8 +93,11 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
                 .await?;
             assert!(released.is_some());
         }
-        raw += started.elapsed();
+        let raw_round = started.elapsed();
+        raw += raw_round;
+        round_ratios.push(locked_round.as_secs_f64() / raw_round.as_secs_f64());
     }
+    round_ratios.sort_by(f64::total_cmp);
     let n = u32::try_from(ROUNDS * CYCLES_PER_ROUND)?;
     let (per_locked, per_raw) = (locked / n, raw / n);
     println!("P5 uncontended cycle, {n} cycles each, interleaved rounds:");
@@ -101,6 +106,14 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
     println!(
         "  ratio:                {:.3}x (target <= 1.2x)",
         locked.as_secs_f64() / raw.as_secs_f64()
+    );
+    // A commit waits for the disk, whose stalls hit one round or the
+    // other: the median of the rounds' own ratios shrugs them off.
+    println!(
+        "  rounds' ratios:       median {:.3}x, from {:.3}x to {:.3}x",
+        round_ratios[ROUNDS / 2],
+        round_ratios[0],
+        round_ratios[ROUNDS - 1]
     );
     Ok(())
 }
