@@ -10,13 +10,16 @@
 -- channel, or any pattern subscriber): asked once for the whole batch,
 -- where a publication costs a command per lock.
 --
+-- (pcall: a key of another type, as a client that keeps its locks in a hash
+-- makes, is another owner's lock, not an error.)
+--
 -- Returns one answer per lock, in order: 1 released, 0 not held by its
 -- owner token (nothing changed, nothing published).
 local listened = redis.call('PUBSUB', 'NUMSUB', ARGV[1])[2] > 0
     or redis.call('PUBSUB', 'NUMPAT') > 0
 local answers = {}
 for i = 1, #KEYS do
-    if redis.call('GET', KEYS[i]) == ARGV[i + 1] then
+    if redis.pcall('GET', KEYS[i]) == ARGV[i + 1] then
         redis.call('DEL', KEYS[i])
         if listened then
             redis.call('PUBLISH', ARGV[1], KEYS[i])

@@ -117,8 +117,14 @@ async fn concurrent_steps_go_out_in_batches_with_their_own_answers() {
         assert_eq!(counter, token, "key {i}'s companion holds its token");
         leases.push(Lease::new(keys[i].as_str(), owners[i].clone(), token));
     }
-    // One release with another owner token: not held, nothing freed.
+    // One release with another owner token, and one of a key another
+    // client keeps its lock in as a hash: not held, nothing freed.
     let foreign = Lease::new(keys[0].as_str(), OwnerToken::new("b"), 1);
+    let _: () = conn
+        .hset("batch hash", "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
+        .await
+        .unwrap();
+    let hashed = Lease::new("batch hash", OwnerToken::new("a"), 1);
 
     let before = script_runs(&url).await;
     let released = within(
@@ -127,16 +133,24 @@ async fn concurrent_steps_go_out_in_batches_with_their_own_answers() {
         join_all(
             leases
                 .iter()
-                .chain(std::iter::once(&foreign))
+                .chain([&foreign, &hashed])
                 .map(|lease| backend.release(lease)),
         ),
     )
     .await;
     let runs = script_runs(&url).await - before;
     assert!(runs < 20, "64 releases in {runs} script runs");
-    let (foreign_answer, own) = released.split_last().unwrap();
+    let (own, others) = released.split_at(leases.len());
     // The foreign release may come before or after key 0's own.
-    assert_eq!(*foreign_answer.as_ref().unwrap(), ReleaseOutcome::NotHeld);
+    for answer in others {
+        assert_eq!(*answer.as_ref().unwrap(), ReleaseOutcome::NotHeld);
+    }
+    let kind: String = redis::cmd("TYPE")
+        .arg("batch hash")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash", "the foreign lock is untouched");
     for answer in own {
         assert_eq!(*answer.as_ref().unwrap(), ReleaseOutcome::Released);
     }

@@ -160,3 +160,95 @@ async fn a_release_is_published_with_the_key_as_message() {
     .await;
     assert_eq!(got, key);
 }
+
+/// Takes `key` as a client that keeps its locks in a hash does (Redisson:
+/// `HSET key <id>:<thread> 1`, then `PEXPIRE`).
+async fn take_as_a_hash(conn: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let _: () = redis::pipe()
+        .atomic()
+        .hset(key, "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
+        .ignore()
+        .pexpire(key, 30_000)
+        .ignore()
+        .query_async(conn)
+        .await
+        .unwrap();
+}
+
+/// A client that keeps its lock in a hash (Redisson) excludes `with_lock`,
+/// and a lock of ours that such a client took over is told `Taken`: extend
+/// and release answer "not ours" for a key of another type, not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_kept_in_a_hash_is_another_owner() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let mut conn = raw(&url).await;
+    let a = node(RedisBackend::from_url(&url).unwrap(), "a");
+    let once = LockConfig::default().retry_attempts(0);
+
+    let held = ns.key("hash-holder");
+    take_as_a_hash(&mut conn, &held).await;
+    let busy = a.with_lock_config(&held, &once, |_| async {}).await;
+    assert!(
+        matches!(
+            busy,
+            Err(LockError::NotAcquired {
+                attempts: 1,
+                source: None,
+                ..
+            })
+        ),
+        "{busy:?}"
+    );
+    let kind: String = redis::cmd("TYPE")
+        .arg(&held)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash", "the foreign lock is untouched");
+
+    // Ours, then deleted and taken as a hash while the callback runs: the
+    // release finds another owner at once (a long ttl: an error would be
+    // sent again until the validity ran out).
+    let key = ns.key("taken-over");
+    let cfg = LockConfig::default().ttl(Duration::from_secs(20));
+    let (k, u) = (key.clone(), url.clone());
+    let got = within(
+        LIMIT,
+        "the release of a key taken as a hash",
+        a.with_lock_config(&key, &cfg, move |_| async move {
+            let mut conn = raw(&u).await;
+            let _: () = conn.del(&k).await.unwrap();
+            take_as_a_hash(&mut conn, &k).await;
+        }),
+    )
+    .await;
+    assert!(
+        matches!(
+            &got,
+            Err(LockError::Lost {
+                cause: lock_core::LossCause::Taken,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+
+    // The same for an extension, through a handle.
+    let other = ns.key("taken-over-handle");
+    let mut handle = a.handle(&other, Duration::from_secs(20)).unwrap();
+    assert!(handle.acquire().await.unwrap());
+    let _: () = conn.del(&other).await.unwrap();
+    take_as_a_hash(&mut conn, &other).await;
+    assert!(
+        !handle.renew().await.unwrap(),
+        "the extension finds it taken"
+    );
+    let kind: String = redis::cmd("TYPE")
+        .arg(&other)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash", "the foreign lock is untouched");
+    let _: () = conn.del(&[&held, &key, &other]).await.unwrap();
+}
