@@ -106,9 +106,10 @@ pub enum LossCause {
     Taken,
     /// Extensions failed on backend errors until the lock's validity ran
     /// out, or the release after the callback settled got no answer while
-    /// the lock was valid, so nothing proves it was held throughout; the
-    /// source is the last error.
-    #[error("extension failed on backend errors until the lock's validity ran out")]
+    /// the lock was valid (or found the key free after a try that may have
+    /// freed it), so nothing proves it was held throughout; the source is
+    /// the error (the extension's or the release's).
+    #[error("backend errors: nothing confirms the lock was held throughout")]
     Backend(#[source] BackendError),
     /// The locker shut down and released the lock.
     #[error("the locker shut down and released the lock")]
