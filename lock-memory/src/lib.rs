@@ -22,7 +22,7 @@
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use hashbrown::hash_map::EntryRef;
+use hashbrown::hash_map::{EntryRef, OccupiedEntry};
 use hashbrown::HashMap;
 use lock_core::{
     async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, LockBackend,
@@ -45,7 +45,9 @@ pub use lock_core::{Mutex, MutexConfig};
 ///
 /// Cheap to clone; clones share the same locks. Fencing tokens come from one
 /// counter for all keys, so they strictly increase per key while released
-/// keys take no memory.
+/// keys need no record. The entries of the last [`KEPT_FREE`] keys freed
+/// are kept for their next acquisition (which then allocates and hashes
+/// nothing new); a key freed beyond that takes no memory.
 #[derive(Clone, Default)]
 pub struct MemoryBackend {
     inner: Arc<Inner>,
@@ -57,6 +59,9 @@ struct Inner {
     hub: ReleaseHub,
 }
 
+/// How many freed keys keep their entry, for reuse.
+pub const KEPT_FREE: usize = 1024;
+
 #[derive(Default)]
 struct State {
     // hashbrown for `entry_ref`: one hash per call, and a key is allocated
@@ -64,11 +69,16 @@ struct State {
     // per map but only "minimally DoS-resistant", unlike std's SipHash.
     held: HashMap<Box<str>, Holder>,
     fence: u64,
+    /// How many entries are kept free (`Holder::free`).
+    free: usize,
 }
 
 struct Holder {
     owner: OwnerToken,
+    /// At or before a free entry's release: a free entry reads as expired.
     expires_at: Instant,
+    /// Released and kept for reuse, counted in `State::free`.
+    free: bool,
 }
 
 impl MemoryBackend {
@@ -122,33 +132,45 @@ impl MemoryBackend {
         now: Instant,
     ) -> AcquireOutcome {
         let mut state = self.lock();
-        let State { held, fence } = &mut *state;
-        let entry = held.entry_ref(key);
-        if let EntryRef::Occupied(slot) = &entry {
-            if slot.get().expires_at > now {
+        let State { held, fence, free } = &mut *state;
+        let holder = Holder {
+            owner: owner.clone(),
+            expires_at: now + ttl,
+            free: false,
+        };
+        match held.entry_ref(key) {
+            EntryRef::Occupied(slot) if slot.get().expires_at > now => {
                 return AcquireOutcome::Busy;
+            }
+            // An expired holder's or a free entry is reused, key and all.
+            EntryRef::Occupied(mut slot) => {
+                if slot.get().free {
+                    *free -= 1;
+                }
+                *slot.get_mut() = holder;
+            }
+            EntryRef::Vacant(place) => {
+                place.insert(holder);
             }
         }
         *fence += 1;
-        let fencing_token = *fence;
-        // An expired holder's entry is reused, key and all.
-        entry.insert(Holder {
-            owner: owner.clone(),
-            expires_at: now + ttl,
-        });
-        AcquireOutcome::Acquired { fencing_token }
+        AcquireOutcome::Acquired {
+            fencing_token: *fence,
+        }
     }
 
     fn release_at(&self, lease: &Lease, now: Instant) -> ReleaseOutcome {
         let mut state = self.lock();
-        let outcome = match state.held.entry_ref(lease.key()) {
+        let State { held, free, .. } = &mut *state;
+        let outcome = match held.entry_ref(lease.key()) {
+            EntryRef::Occupied(slot) if slot.get().free => ReleaseOutcome::NotHeld,
             EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
                 // Expired: free, and this lease no longer holds it.
-                slot.remove();
+                Self::keep_free(slot, free, now);
                 ReleaseOutcome::NotHeld
             }
             EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
-                slot.remove();
+                Self::keep_free(slot, free, now);
                 ReleaseOutcome::Released
             }
             EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
@@ -158,6 +180,23 @@ impl MemoryBackend {
             self.inner.hub.notify(lease.key());
         }
         outcome
+    }
+
+    /// Frees the entry of `slot`: kept for reuse while fewer than
+    /// [`KEPT_FREE`] are, else removed.
+    fn keep_free<S: std::hash::BuildHasher>(
+        mut slot: OccupiedEntry<'_, Box<str>, Holder, S>,
+        free: &mut usize,
+        now: Instant,
+    ) {
+        if *free >= KEPT_FREE {
+            slot.remove();
+            return;
+        }
+        *free += 1;
+        let holder = slot.get_mut();
+        holder.free = true;
+        holder.expires_at = holder.expires_at.min(now);
     }
 
     fn extend_one(state: &mut State, lease: &Lease, ttl: Duration, now: Instant) -> ExtendOutcome {
@@ -279,6 +318,7 @@ mod tests {
     async fn release_frees_the_entry_of_its_holder_or_of_an_expired_one() {
         let backend = MemoryBackend::new();
         let entries = || backend.lock().held.len();
+        let free = || backend.lock().free;
         let a = OwnerToken::new("a");
         let ttl = Duration::from_secs(30);
         let take = |owner: &OwnerToken| {
@@ -305,13 +345,29 @@ mod tests {
             backend.release(&first).await.unwrap(),
             ReleaseOutcome::Released
         );
-        assert_eq!(entries(), 0, "a released key takes no memory");
+        assert_eq!(
+            (entries(), free()),
+            (1, 1),
+            "a released key's entry is kept free"
+        );
+        assert_eq!(backend.holder("k"), None);
+        assert_eq!(backend.held_keys(), 0);
+        assert_eq!(
+            backend.release(&first).await.unwrap(),
+            ReleaseOutcome::NotHeld,
+            "released twice"
+        );
+        assert_eq!(
+            backend.extend(&first, ttl).await.unwrap(),
+            ExtendOutcome::Expired
+        );
         tokio::time::timeout(Duration::from_secs(1), watch.released())
             .await
             .unwrap();
 
         let second = take(&OwnerToken::new("b")).await;
         assert!(second.fencing_token() > first.fencing_token());
+        assert_eq!((entries(), free()), (1, 0), "the free entry is reused");
         tokio::time::advance(ttl).await;
         let c = OwnerToken::new("c");
         let third = take(&c).await;
@@ -332,12 +388,54 @@ mod tests {
             backend.release(&third).await.unwrap(),
             ReleaseOutcome::NotHeld
         );
-        assert_eq!(entries(), 0, "an expired entry found by release is removed");
+        assert_eq!(
+            (entries(), free()),
+            (1, 1),
+            "an expired entry found by release is freed"
+        );
         assert!(
             tokio::time::timeout(Duration::from_secs(1), watch.released())
                 .await
                 .is_err(),
             "only a release that answered Released notifies"
         );
+    }
+
+    #[tokio::test]
+    async fn beyond_kept_free_a_released_key_takes_no_memory() {
+        let backend = MemoryBackend::new();
+        let ttl = Duration::from_secs(30);
+        let owner = OwnerToken::new("a");
+        let n = KEPT_FREE + 10;
+        for i in 0..n {
+            let key = format!("k{i}");
+            let token = match backend.try_acquire(&key, &owner, ttl).await.unwrap() {
+                AcquireOutcome::Acquired { fencing_token } => fencing_token,
+                AcquireOutcome::Busy => panic!("{key} is busy"),
+            };
+            let lease = Lease::new(key.as_str(), owner.clone(), token);
+            assert_eq!(
+                backend.release(&lease).await.unwrap(),
+                ReleaseOutcome::Released
+            );
+        }
+        let (entries, free) = {
+            let state = backend.lock();
+            (state.held.len(), state.free)
+        };
+        assert_eq!((entries, free), (KEPT_FREE, KEPT_FREE));
+        assert_eq!(backend.held_keys(), 0);
+        // Every key, kept or not, is free to take.
+        for i in [0, n - 1] {
+            let other = OwnerToken::new("b");
+            assert!(matches!(
+                backend
+                    .try_acquire(&format!("k{i}"), &other, ttl)
+                    .await
+                    .unwrap(),
+                AcquireOutcome::Acquired { .. }
+            ));
+        }
+        assert_eq!(backend.lock().free, KEPT_FREE - 1);
     }
 }
