@@ -300,7 +300,7 @@ mod tests {
             cause: LossCause::Backend(BackendError::request(io)),
         };
         let cause = err.source().unwrap();
-        assert!(cause.to_string().contains("validity ran out"));
+        assert!(cause.to_string().contains("backend errors"));
         let backend = cause.source().unwrap();
         assert_eq!(backend.to_string(), "lock backend request failed");
         assert_eq!(backend.source().unwrap().to_string(), "refused");

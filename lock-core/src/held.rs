@@ -37,6 +37,9 @@ pub(crate) struct HeldLock {
     /// The validity the acquisition gave: its expiry, minus the drift
     /// margin.
     valid_from_acquisition: Instant,
+    /// How long before the validity's end an extension is due: two thirds
+    /// of the ttl, less the drift margin.
+    extension_lead: Duration,
     /// How far extensions moved the validity past that, in nanoseconds:
     /// the last confirmed expiry, minus the drift margin, is the instant
     /// past which another node may hold the key. An atomic, as every call
@@ -60,12 +63,18 @@ impl HeldLock {
         holder: Holder,
         meter: Meter,
     ) -> Self {
+        // In whole nanoseconds: `Duration`'s operators check and normalise
+        // at every step. As `drift`, and MIN_TTL keeps two thirds of the ttl
+        // above the margin.
+        let ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
+        let drift_ns = ttl_ns / 100 + 2_000_000;
         Self {
             lease,
             ttl,
             locker_id,
             holder,
-            valid_from_acquisition: sent_at + ttl.saturating_sub(drift(ttl)),
+            valid_from_acquisition: sent_at + Duration::from_nanos(ttl_ns.saturating_sub(drift_ns)),
+            extension_lead: Duration::from_nanos((ttl_ns / 3 * 2).saturating_sub(drift_ns)),
             extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
@@ -93,8 +102,7 @@ impl HeldLock {
     /// When the next extension is due: a third of the ttl after the request
     /// that last confirmed the lock was sent.
     pub(crate) fn extension_due(&self) -> Instant {
-        // MIN_TTL keeps two thirds of the ttl above the drift margin.
-        self.valid_until() - (self.ttl * 2 / 3).saturating_sub(drift(self.ttl))
+        self.valid_until() - self.extension_lead
     }
 
     /// Records an extension sent at `sent_at` that the store confirmed.
