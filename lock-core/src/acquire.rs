@@ -197,10 +197,19 @@ impl Locker {
     /// Acquires `key` for a callback.
     pub(crate) async fn acquire(
         &self,
-        key: &Arc<str>,
+        key: &str,
         config: &LockConfig,
     ) -> Result<Holding, LockError> {
         let inner = self.inner();
+        // [A6] The key's gate: its pass, or a place in line if another task
+        // of this locker holds or tries the key. The gate shares the key's
+        // string with the call.
+        let entered = inner.gates.enter(key);
+        let key = match &entered {
+            Ok(pass) => Arc::clone(pass.key()),
+            Err(place) => Arc::clone(place.key()),
+        };
+        let key = &key;
         // Not even made when nobody listens: its fields cost.
         let span = if tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug_span!("acquire", key = %key)
@@ -208,7 +217,6 @@ impl Locker {
             tracing::Span::none()
         };
         let since = Stopwatch::start();
-        let gate_key = inner.gates.key(key);
         let acquired = async move {
             let limit = match config.retry_attempts {
                 RetryAttempts::Limited(n) => Some(n),
@@ -223,7 +231,7 @@ impl Locker {
             // [A6] Another task of this locker holds or tries the key: wait
             // in line. Each slot that passes counts as an attempt that found
             // the key busy, so the give-up time stays as configured.
-            let pass = match inner.gates.enter(gate_key) {
+            let pass = match entered {
                 Ok(pass) => pass,
                 Err(mut place) => loop {
                     tokio::select! {

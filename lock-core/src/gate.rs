@@ -5,120 +5,129 @@
 //! backend for that key, then holds the lock. The others wait in arrival
 //! order; dropping the pass hands it to the next one.
 
-use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use hashbrown::HashTable;
 use tokio::sync::oneshot;
 
-type Queues = HashMap<GateKey, VecDeque<oneshot::Sender<()>>, BuildHasherDefault<Hashed>>;
+/// How many gates with nobody at them are kept, for the next call on their
+/// key: it then allocates nothing, neither the gate nor the call's shared
+/// key, which it takes from the gate.
+const KEPT_IDLE: usize = 1024;
 
-/// A key with its hash, computed once per call and reused by every look-up
-/// of the call. The hash is foldhash's, seeded at random per locker: about
-/// a sixth of SipHash's cost on a short key, and like it unpredictable from
-/// outside the process (foldhash calls itself "minimally DoS-resistant";
-/// the map holds only the keys this locker holds or waits for now).
+/// One key's gate.
+struct Gate {
+    key: Arc<str>,
+    /// foldhash's, seeded at random per locker: about a sixth of SipHash's
+    /// cost on a short key, and like it unpredictable from outside the
+    /// process (foldhash calls itself "minimally DoS-resistant"; the table
+    /// holds only keys this locker holds, waits for, or used last).
+    hash: u64,
+    /// A pass is out: its holder tries the backend or holds the lock.
+    busy: bool,
+    /// Who waits for the pass, in arrival order.
+    waiters: VecDeque<oneshot::Sender<()>>,
+}
+
+#[derive(Default)]
+struct Table {
+    gates: HashTable<Gate>,
+    /// Gates not busy, kept for reuse.
+    idle: usize,
+}
+
+impl Table {
+    /// Passes the gate of `key` to its next waiter; with none left, the
+    /// gate goes idle, or away beyond [`KEPT_IDLE`] idle ones.
+    fn hand_over(&mut self, key: &GateKey) {
+        let Ok(mut entry) = self
+            .gates
+            .find_entry(key.hash, |g| Arc::ptr_eq(&g.key, &key.key))
+        else {
+            return;
+        };
+        let gate = entry.get_mut();
+        while let Some(next) = gate.waiters.pop_front() {
+            if next.send(()).is_ok() {
+                return;
+            }
+        }
+        if self.idle < KEPT_IDLE {
+            gate.busy = false;
+            gate.waiters = VecDeque::new();
+            self.idle += 1;
+        } else {
+            entry.remove();
+        }
+    }
+}
+
+/// A key with its hash, held by a pass or a place in line.
 #[derive(Clone)]
 pub(crate) struct GateKey {
     hash: u64,
     key: Arc<str>,
 }
 
-impl PartialEq for GateKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.hash == other.hash && self.key == other.key
-    }
-}
-
-impl Eq for GateKey {}
-
-impl Hash for GateKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write_u64(self.hash);
-    }
-}
-
-/// Passes on the hash a [`GateKey`] carries.
-#[derive(Default)]
-struct Hashed(u64);
-
-impl Hasher for Hashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, hash: u64) {
-        self.0 = hash;
-    }
-}
-
 #[derive(Default)]
 pub(crate) struct Gates {
-    queues: Mutex<Queues>,
+    table: Mutex<Table>,
     hasher: hashbrown::DefaultHashBuilder,
 }
 
 impl Gates {
-    fn lock(&self) -> MutexGuard<'_, Queues> {
-        self.queues.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// `key`, hashed for this locker's wait lists.
-    pub(crate) fn key(&self, key: &Arc<str>) -> GateKey {
-        GateKey {
-            hash: self.hasher.hash_one(&**key),
-            key: Arc::clone(key),
-        }
-    }
-
-    /// Takes the pass of `key` at once, or queues for it.
-    pub(crate) fn enter(self: &Arc<Self>, key: GateKey) -> Result<GatePass, GateWait> {
-        let mut queues = self.lock();
-        match queues.entry(key) {
-            Entry::Vacant(place) => {
-                let key = place.key().clone();
-                place.insert(VecDeque::new());
-                Ok(GatePass {
-                    gates: Arc::clone(self),
-                    key,
-                })
-            }
-            Entry::Occupied(mut queue) => {
+    /// Takes the pass of `key` at once, or queues for it. Either holds the
+    /// key as a shared string, for the call to use.
+    pub(crate) fn enter(self: &Arc<Self>, key: &str) -> Result<GatePass, GateWait> {
+        let hash = self.hasher.hash_one(key);
+        let mut table = self.lock();
+        let Table { gates, idle } = &mut *table;
+        let key = match gates.find_mut(hash, |g| &*g.key == key) {
+            Some(gate) if gate.busy => {
                 let (tx, rx) = oneshot::channel();
-                queue.get_mut().push_back(tx);
-                Err(GateWait {
+                gate.waiters.push_back(tx);
+                return Err(GateWait {
                     rx: Some(rx),
                     gates: Arc::clone(self),
-                    key: queue.key().clone(),
-                })
+                    key: GateKey {
+                        hash,
+                        key: Arc::clone(&gate.key),
+                    },
+                });
             }
-        }
-    }
-
-    fn hand_over(queues: &mut Queues, key: &GateKey) {
-        // Taken out and put back only when somebody waits: the common case,
-        // nobody, costs one look-up.
-        let Some(mut queue) = queues.remove(key) else {
-            return;
+            Some(gate) => {
+                gate.busy = true;
+                *idle -= 1;
+                Arc::clone(&gate.key)
+            }
+            None => {
+                let key: Arc<str> = key.into();
+                let gate = Gate {
+                    key: Arc::clone(&key),
+                    hash,
+                    busy: true,
+                    waiters: VecDeque::new(),
+                };
+                gates.insert_unique(hash, gate, |g| g.hash);
+                key
+            }
         };
-        while let Some(next) = queue.pop_front() {
-            if next.send(()).is_ok() {
-                queues.insert(key.clone(), queue);
-                return;
-            }
-        }
+        Ok(GatePass {
+            gates: Arc::clone(self),
+            key: GateKey { hash, key },
+        })
     }
 
     #[cfg(test)]
-    fn len(&self) -> usize {
-        self.lock().len()
+    fn len(&self) -> (usize, usize) {
+        let table = self.lock();
+        (table.gates.len(), table.idle)
     }
 }
 
@@ -128,9 +137,16 @@ pub(crate) struct GatePass {
     key: GateKey,
 }
 
+impl GatePass {
+    /// The key, as a string shared with its gate.
+    pub(crate) fn key(&self) -> &Arc<str> {
+        &self.key.key
+    }
+}
+
 impl Drop for GatePass {
     fn drop(&mut self) {
-        Gates::hand_over(&mut self.gates.lock(), &self.key);
+        self.gates.lock().hand_over(&self.key);
     }
 }
 
@@ -142,6 +158,11 @@ pub(crate) struct GateWait {
 }
 
 impl GateWait {
+    /// The key, as a string shared with its gate.
+    pub(crate) fn key(&self) -> &Arc<str> {
+        &self.key.key
+    }
+
     /// Resolves when the pass reaches this place.
     ///
     /// # Cancel safety
@@ -165,11 +186,11 @@ impl GateWait {
 impl Drop for GateWait {
     fn drop(&mut self) {
         if let Some(mut rx) = self.rx.take() {
-            // Under the queue lock no pass can arrive between the check and
-            // the drop of the receiver.
-            let mut queues = self.gates.lock();
+            // Under the table's lock no pass can arrive between the check
+            // and the drop of the receiver.
+            let mut table = self.gates.lock();
             if rx.try_recv().is_ok() {
-                Gates::hand_over(&mut queues, &self.key);
+                table.hand_over(&self.key);
             }
         }
     }
@@ -183,11 +204,10 @@ mod tests {
     #[tokio::test]
     async fn passes_go_in_arrival_order_and_skip_dropped_places() {
         let gates = Arc::new(Gates::default());
-        let key = gates.key(&"k".into());
-        let first = gates.enter(key.clone()).ok().unwrap();
-        let mut second = gates.enter(key.clone()).err().unwrap();
-        let third = gates.enter(key.clone()).err().unwrap();
-        let mut fourth = gates.enter(key).err().unwrap();
+        let first = gates.enter("k").ok().unwrap();
+        let mut second = gates.enter("k").err().unwrap();
+        let third = gates.enter("k").err().unwrap();
+        let mut fourth = gates.enter("k").err().unwrap();
         drop(third);
         drop(first);
         let pass2 = tokio::time::timeout(Duration::from_secs(1), second.wait())
@@ -205,20 +225,43 @@ mod tests {
         drop(pass4);
         drop(second);
         drop(fourth);
-        assert_eq!(gates.len(), 0);
+        assert_eq!(gates.len(), (1, 1), "the gate is kept, idle");
     }
 
     #[tokio::test]
     async fn a_pass_that_reached_a_dropped_waiter_moves_on() {
         let gates = Arc::new(Gates::default());
-        let key = gates.key(&"k".into());
-        let first = gates.enter(key.clone()).ok().unwrap();
-        let second = gates.enter(key.clone()).err().unwrap();
-        let mut third = gates.enter(key).err().unwrap();
+        let first = gates.enter("k").ok().unwrap();
+        let second = gates.enter("k").err().unwrap();
+        let mut third = gates.enter("k").err().unwrap();
         drop(first); // the pass is now in `second`'s channel, unread
         drop(second);
         tokio::time::timeout(Duration::from_secs(1), third.wait())
             .await
             .unwrap();
+    }
+
+    #[test]
+    fn an_idle_gate_is_reused_with_its_key_and_kept_idle_ones_are_bounded() {
+        let gates = Arc::new(Gates::default());
+        let first = gates.enter("k").ok().unwrap();
+        let key = Arc::clone(first.key());
+        drop(first);
+        let again = gates.enter("k").ok().unwrap();
+        assert!(Arc::ptr_eq(again.key(), &key), "the gate's key is shared");
+        assert_eq!(gates.len(), (1, 0));
+        drop(again);
+
+        for i in 0..KEPT_IDLE + 10 {
+            drop(gates.enter(&format!("k{i}")).ok().unwrap());
+        }
+        assert_eq!(gates.len(), (KEPT_IDLE, KEPT_IDLE));
+        // A busy gate is never dropped while idle ones are bounded.
+        let held = gates.enter("k0").ok().unwrap();
+        let waiting = gates.enter("k0").err().unwrap();
+        assert_eq!(gates.len(), (KEPT_IDLE, KEPT_IDLE - 1));
+        drop(waiting);
+        drop(held);
+        assert_eq!(gates.len(), (KEPT_IDLE, KEPT_IDLE));
     }
 }

@@ -254,8 +254,7 @@ impl Locker {
         if self.inner.shutdown.is_started() {
             return never().await;
         }
-        let key: Arc<str> = key.into();
-        let lock = self.acquire(&key, config).await?;
+        let lock = self.acquire(key, config).await?;
         let ctx = LockContext {
             held: Arc::clone(&lock.held),
         };
@@ -290,13 +289,13 @@ impl Locker {
                 match (out, cause) {
                     (Err(panic), _) => resume_unwind(panic),
                     (Ok(value), None) => Ok(value),
-                    (Ok(_), Some(cause)) => Err(lost(&key, cause)),
+                    (Ok(_), Some(cause)) => Err(lost(key, cause)),
                 }
             }
             Err((guarded, cause)) => {
                 lock.abandon();
                 on_loss.lost(guarded);
-                Err(lost(&key, cause))
+                Err(lost(key, cause))
             }
         }
     }
