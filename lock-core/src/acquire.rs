@@ -332,6 +332,9 @@ impl Locker {
                 }
             }
         };
+        // Polled where it was made, not moved into the await (a copy of the
+        // whole state at every call).
+        tokio::pin!(acquired);
         // Entering and leaving a span at every poll costs even when nobody
         // listens.
         let acquired = if span.is_disabled() {
