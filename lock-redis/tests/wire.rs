@@ -36,18 +36,7 @@ async fn a_raw_set_nx_px_makes_with_lock_wait() {
 
     let a = node(RedisBackend::from_url(&url).unwrap(), "a");
     let once = LockConfig::default().retry_attempts(0);
-    let busy = a.with_lock_config(&key, &once, |_| async {}).await;
-    assert!(
-        matches!(
-            busy,
-            Err(LockError::NotAcquired {
-                attempts: 1,
-                source: None,
-                ..
-            })
-        ),
-        "{busy:?}"
-    );
+    assert_busy(&a.with_lock_config(&key, &once, |_| async {}).await);
 
     let deleted = Arc::new(AtomicBool::new(false));
     let seen = Arc::clone(&deleted);
@@ -188,18 +177,7 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
 
     let held = ns.key("hash-holder");
     take_as_a_hash(&mut conn, &held).await;
-    let busy = a.with_lock_config(&held, &once, |_| async {}).await;
-    assert!(
-        matches!(
-            busy,
-            Err(LockError::NotAcquired {
-                attempts: 1,
-                source: None,
-                ..
-            })
-        ),
-        "{busy:?}"
-    );
+    assert_busy(&a.with_lock_config(&held, &once, |_| async {}).await);
     let kind: String = redis::cmd("TYPE")
         .arg(&held)
         .query_async(&mut conn)
@@ -251,4 +229,19 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
         .unwrap();
     assert_eq!(kind, "hash", "the foreign lock is untouched");
     let _: () = conn.del(&[&held, &key, &other]).await.unwrap();
+}
+
+/// Asserts that one attempt found the key held by another client.
+fn assert_busy(got: &Result<(), LockError>) {
+    assert!(
+        matches!(
+            got,
+            Err(LockError::NotAcquired {
+                attempts: 1,
+                source: None,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
 }

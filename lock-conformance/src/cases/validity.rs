@@ -276,16 +276,7 @@ pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
         a.with_lock_config(&key, &cfg, |_| async {}),
     )
     .await;
-    assert!(
-        matches!(
-            &got,
-            Err(LockError::Lost {
-                cause: LossCause::Backend(e),
-                ..
-            }) if crate::faults::is_injected(e)
-        ),
-        "expected Lost with the lost answer's error, got {got:?}"
-    );
+    assert_lost_on_injected_release(&got);
     assert_free(&backend, &key, "after the applied release").await;
 
     faulty.fail_always(Step::Release, true);
@@ -299,9 +290,18 @@ pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
     )
     .await;
     faulty.fail_always(Step::Release, false);
+    assert_lost_on_injected_release(&got);
+    assert!(ctx_rx.await.unwrap().is_lost(), "the context agrees");
+    // The key expires with its ttl.
+    tokio::time::sleep(SHORT_TTL).await;
+    assert_free(&backend, &key, "after the ttl").await;
+}
+
+/// Asserts that a call was lost with an injected release error as cause.
+fn assert_lost_on_injected_release<T: std::fmt::Debug>(got: &Result<T, LockError>) {
     assert!(
         matches!(
-            &got,
+            got,
             Err(LockError::Lost {
                 cause: LossCause::Backend(e),
                 ..
@@ -309,8 +309,4 @@ pub async fn o6_unanswered_release_is_not_ok(factory: Arc<dyn BackendFactory>) {
         ),
         "expected Lost with the release's error, got {got:?}"
     );
-    assert!(ctx_rx.await.unwrap().is_lost(), "the context agrees");
-    // The key expires with its ttl.
-    tokio::time::sleep(SHORT_TTL).await;
-    assert_free(&backend, &key, "after the ttl").await;
 }
