@@ -219,3 +219,51 @@ fn debug_never_shows_the_password() {
         "{debug}"
     );
 }
+
+/// A key that another client keeps its lock in as a hash (Redisson) is
+/// another owner's on the cluster too: the acquisition finds it busy, and
+/// an extension and a release of a lease on it answer Taken / NotHeld, the
+/// hash untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_kept_in_a_hash_is_another_owner() {
+    let cluster = shared_cluster();
+    let backend = ScratchClusterBackend::new(&cluster.urls(), RedisConfig::default());
+    let key = "hash-holder";
+    let lock_key = backend.lock_key(key);
+    let master = cluster.master_of_key(&lock_key).unwrap();
+    let mut conn = redis::Client::open(master.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::pipe()
+        .atomic()
+        .hset(&lock_key, "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
+        .ignore()
+        .pexpire(&lock_key, 30_000)
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let owner = OwnerToken::new("a");
+    assert_eq!(
+        backend.try_acquire(key, &owner, TTL).await.unwrap(),
+        AcquireOutcome::Busy
+    );
+    let lease = Lease::new(key, owner, 1);
+    assert_eq!(
+        backend.extend(&lease, TTL).await.unwrap(),
+        ExtendOutcome::Taken
+    );
+    assert_eq!(
+        backend.release(&lease).await.unwrap(),
+        lock_core::ReleaseOutcome::NotHeld
+    );
+    let kind: String = redis::cmd("TYPE")
+        .arg(&lock_key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash", "the foreign lock is untouched");
+}
