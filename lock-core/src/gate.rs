@@ -56,7 +56,10 @@ impl Table {
         }
         if self.idle < KEPT_IDLE {
             gate.busy = false;
-            gate.waiters = VecDeque::new();
+            if gate.waiters.capacity() > 0 {
+                // An idle gate keeps no buffer of a crowd it once had.
+                gate.waiters = VecDeque::new();
+            }
             self.idle += 1;
         } else {
             entry.remove();
