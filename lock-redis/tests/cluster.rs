@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::{node, within};
+use common::{node, take_as_a_hash, within};
 use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, OwnerToken,
 };
@@ -236,15 +236,7 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let _: () = redis::pipe()
-        .atomic()
-        .hset(&lock_key, "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
-        .ignore()
-        .pexpire(&lock_key, 30_000)
-        .ignore()
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    take_as_a_hash(&mut conn, &lock_key).await;
 
     let owner = OwnerToken::new("a");
     assert_eq!(

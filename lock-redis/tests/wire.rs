@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{node, raw, within};
+use common::{node, raw, take_as_a_hash, within};
 use lock_core::{LockConfig, LockError};
 use lock_redis::testing::{server_url, Namespace};
 use lock_redis::RedisBackend;
@@ -148,20 +148,6 @@ async fn a_release_is_published_with_the_key_as_message() {
     })
     .await;
     assert_eq!(got, key);
-}
-
-/// Takes `key` as a client that keeps its locks in a hash does (Redisson:
-/// `HSET key <id>:<thread> 1`, then `PEXPIRE`).
-async fn take_as_a_hash(conn: &mut redis::aio::MultiplexedConnection, key: &str) {
-    let _: () = redis::pipe()
-        .atomic()
-        .hset(key, "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
-        .ignore()
-        .pexpire(key, 30_000)
-        .ignore()
-        .query_async(conn)
-        .await
-        .unwrap();
 }
 
 /// A client that keeps its lock in a hash (Redisson) excludes `with_lock`,

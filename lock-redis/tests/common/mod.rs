@@ -78,3 +78,17 @@ pub fn assert_not_acquired_by_redis_error<T: std::fmt::Debug>(
         other => panic!("expected NotAcquired, got {other:?}"),
     }
 }
+
+/// Takes `key` as a client that keeps its locks in a hash does (Redisson:
+/// `HSET key <id>:<thread> 1`, then `PEXPIRE`).
+pub async fn take_as_a_hash(conn: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let _: () = redis::pipe()
+        .atomic()
+        .hset(key, "8743c9c0-0795-4907-87fd-6c719a6b4586:1", 1)
+        .ignore()
+        .pexpire(key, 30_000)
+        .ignore()
+        .query_async(conn)
+        .await
+        .unwrap();
+}
