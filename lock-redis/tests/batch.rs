@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{node, raw, refused_for_its_counter, within};
+use common::{key_type, node, raw, refused_for_its_counter, subscriber, within};
 use futures_util::future::join_all;
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, ReleaseOutcome};
@@ -145,19 +145,12 @@ async fn concurrent_steps_go_out_in_batches_with_their_own_answers() {
     for answer in others {
         assert_eq!(*answer.as_ref().unwrap(), ReleaseOutcome::NotHeld);
     }
-    let kind: String = redis::cmd("TYPE")
-        .arg("batch hash")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let kind = key_type(&mut conn, "batch hash").await;
     assert_eq!(kind, "hash", "the foreign lock is untouched");
     for answer in own {
         assert_eq!(*answer.as_ref().unwrap(), ReleaseOutcome::Released);
     }
-    for (i, key) in keys.iter().enumerate() {
-        let held: bool = conn.exists(key).await.unwrap();
-        assert!(!held, "key {i} is free");
-    }
+    assert_none_held(&mut conn, &keys, "released").await;
 }
 
 /// Many lockers on one backend, a few keys: batches under contention keep
@@ -246,10 +239,7 @@ async fn dropped_waiting_steps_leave_the_backend_working() {
     // Whatever the dropped steps took expires with its ttl.
     tokio::time::sleep(ttl + Duration::from_millis(300)).await;
     let mut conn = raw(&url).await;
-    for key in &keys {
-        let held: bool = conn.exists(key).await.unwrap();
-        assert!(!held, "{key} expired");
-    }
+    assert_none_held(&mut conn, &keys, "expired").await;
 }
 
 /// Batched releases announce each freed key on the release channel when
@@ -262,12 +252,7 @@ async fn batched_releases_announce_every_key_to_a_listener() {
     let server = RedisServer::start().unwrap();
     let url = server.url();
     let backend = RedisBackend::from_url(&url).unwrap();
-    let mut listener = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_async_pubsub()
-        .await
-        .unwrap();
-    listener.subscribe(backend.channel()).await.unwrap();
+    let mut listener = subscriber(&url, backend.channel()).await;
     let owner = OwnerToken::new("a");
     let keys: Vec<String> = (0..24).map(|i| format!("announced {i}")).collect();
     let leases = take_all(&backend, &keys, &owner).await;
@@ -382,5 +367,17 @@ async fn batched_acquisitions_draw_tokens_as_the_one_key_script() {
                 assert_eq!(stored, token, "{key}: the companion holds the token");
             }
         }
+    }
+}
+
+/// Asserts that no key of `keys` exists on the server.
+async fn assert_none_held(
+    conn: &mut redis::aio::MultiplexedConnection,
+    keys: &[String],
+    why: &str,
+) {
+    for key in keys {
+        let held: bool = conn.exists(key).await.unwrap();
+        assert!(!held, "{key} is still there, though {why}");
     }
 }

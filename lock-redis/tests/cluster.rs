@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use common::{node, take_as_a_hash, within};
+use common::{key_type, node, take_as_a_hash, within};
 use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, OwnerToken,
 };
@@ -252,10 +252,6 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
         backend.release(&lease).await.unwrap(),
         lock_core::ReleaseOutcome::NotHeld
     );
-    let kind: String = redis::cmd("TYPE")
-        .arg(&lock_key)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let kind = key_type(&mut conn, &lock_key).await;
     assert_eq!(kind, "hash", "the foreign lock is untouched");
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{node, raw, take_as_a_hash, within};
+use common::{key_type, node, raw, subscriber, take_as_a_hash, within};
 use lock_core::{LockConfig, LockError};
 use lock_redis::testing::{server_url, Namespace};
 use lock_redis::RedisBackend;
@@ -128,12 +128,7 @@ async fn a_release_is_published_with_the_key_as_message() {
     let key = ns.key("published");
     let backend = RedisBackend::from_url(&url).unwrap();
     assert_eq!(backend.channel(), "withlock:released");
-    let mut pubsub = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_async_pubsub()
-        .await
-        .unwrap();
-    pubsub.subscribe(backend.channel()).await.unwrap();
+    let mut pubsub = subscriber(&url, backend.channel()).await;
     let a = node(backend, "a");
     a.with_lock(&key, |_| async {}).await.unwrap();
     let mut messages = pubsub.on_message();
@@ -164,11 +159,7 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
     let held = ns.key("hash-holder");
     take_as_a_hash(&mut conn, &held).await;
     assert_busy(&a.with_lock_config(&held, &once, |_| async {}).await);
-    let kind: String = redis::cmd("TYPE")
-        .arg(&held)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let kind = key_type(&mut conn, &held).await;
     assert_eq!(kind, "hash", "the foreign lock is untouched");
 
     // Ours, then deleted and taken as a hash while the callback runs: the
@@ -208,11 +199,7 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
         !handle.renew().await.unwrap(),
         "the extension finds it taken"
     );
-    let kind: String = redis::cmd("TYPE")
-        .arg(&other)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let kind = key_type(&mut conn, &other).await;
     assert_eq!(kind, "hash", "the foreign lock is untouched");
     let _: () = conn.del(&[&held, &key, &other]).await.unwrap();
 }

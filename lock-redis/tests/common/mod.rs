@@ -92,3 +92,20 @@ pub async fn take_as_a_hash(conn: &mut redis::aio::MultiplexedConnection, key: &
         .await
         .unwrap();
 }
+
+/// The Redis type of `key` (`string`, `hash`, `none`, …).
+pub async fn key_type(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> String {
+    redis::cmd("TYPE").arg(key).query_async(conn).await.unwrap()
+}
+
+/// A plain subscriber of `channel` on the server at `url`, as another
+/// node's backend listens for releases.
+pub async fn subscriber(url: &str, channel: &str) -> redis::aio::PubSub {
+    let mut pubsub = redis::Client::open(url)
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.subscribe(channel).await.unwrap();
+    pubsub
+}
