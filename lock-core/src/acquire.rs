@@ -260,7 +260,7 @@ impl Locker {
                 if inner.shutdown.is_started() {
                     return never().await;
                 }
-                let owner = OwnerToken::new(&inner.node_id);
+                let owner = OwnerToken::draw(&inner.node_id);
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
                 let slot_due = sent_at >= *next_slot;

@@ -1,7 +1,7 @@
 //! The steps a storage system implements to serve as a lock backend.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,13 +22,34 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// The 32 hex digits are 128 random bits, drawn anew for every acquisition,
 /// so that no other client can release or extend the lock by guessing.
 /// `Debug` prints the node id only.
+///
+/// A drawn token writes its text at its first [`as_str`](Self::as_str),
+/// once for all its clones: a backend in this process that compares tokens
+/// (two drawn tokens compare by node id and bits) never pays for it.
 #[derive(Clone)]
-pub struct OwnerToken(Arc<str>);
+pub struct OwnerToken(Arc<Token>);
+
+struct Token {
+    /// The node id and the random bits of a drawn token; `None` for one
+    /// read back from a backend, whose text is set.
+    drawn: Option<(Arc<str>, u128)>,
+    text: OnceLock<Box<str>>,
+}
 
 impl PartialEq for OwnerToken {
     fn eq(&self, other: &Self) -> bool {
         // Most comparisons are of a token with a clone of itself.
-        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+        if Arc::ptr_eq(&self.0, &other.0) {
+            return true;
+        }
+        match (&self.0.drawn, &other.0.drawn) {
+            // The text is the node id, `/` and the bits' 32 digits: equal
+            // texts are equal parts.
+            (Some((node, bits)), Some((other_node, other_bits))) => {
+                bits == other_bits && node == other_node
+            }
+            _ => self.as_str() == other.as_str(),
+        }
     }
 }
 
@@ -36,12 +57,11 @@ impl Eq for OwnerToken {}
 
 impl std::hash::Hash for OwnerToken {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.0.hash(state);
+        self.as_str().hash(state);
     }
 }
 
-/// The two hex digits of every byte, so that a token's 16 random bytes
-/// take 16 look-ups.
+/// The two hex digits of every byte.
 const HEX_PAIRS: [[u8; 2]; 256] = {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut pairs = [[0u8; 2]; 256];
@@ -56,44 +76,55 @@ const HEX_PAIRS: [[u8; 2]; 256] = {
 impl OwnerToken {
     /// Draws a new token for `node_id`.
     pub fn new(node_id: &str) -> Self {
-        // Built on the stack, so that the token costs one allocation, the
-        // shared string's.
-        let mut buf = [0u8; 128];
-        let len = node_id.len() + 33;
-        let Some(value) = buf.get_mut(..len) else {
-            let mut value = String::with_capacity(len);
-            value.push_str(node_id);
-            value.push_str(&Self::new("").0);
-            return Self(value.into());
-        };
-        let (node, secret) = value.split_at_mut(node_id.len());
-        node.copy_from_slice(node_id.as_bytes());
-        secret[0] = b'/';
-        let bits = rand::random::<u128>().to_be_bytes();
-        for (pair, byte) in secret[1..].chunks_exact_mut(2).zip(bits) {
-            pair.copy_from_slice(&HEX_PAIRS[usize::from(byte)]);
-        }
-        match std::str::from_utf8(value) {
-            Ok(value) => Self(value.into()),
-            // A node id cut nowhere and ASCII digits: always UTF-8.
-            Err(_) => Self::from_value(format!("{node_id}{}", &Self::new("").0)),
-        }
+        Self::draw(&Arc::from(node_id))
+    }
+
+    /// Draws a new token for a node id already shared (the driver's, for
+    /// every acquisition: no copy of it).
+    pub(crate) fn draw(node_id: &Arc<str>) -> Self {
+        Self(Arc::new(Token {
+            drawn: Some((Arc::clone(node_id), rand::random::<u128>())),
+            text: OnceLock::new(),
+        }))
     }
 
     /// Wraps a value read back from a backend, such as one written by another
     /// client of the same wire format.
-    pub fn from_value(value: impl Into<Arc<str>>) -> Self {
-        Self(value.into())
+    pub fn from_value(value: impl Into<Box<str>>) -> Self {
+        Self(Arc::new(Token {
+            drawn: None,
+            text: OnceLock::from(value.into()),
+        }))
     }
 
     /// The whole value, as a backend stores it.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.text.get_or_init(|| match &self.0.drawn {
+            Some((node, bits)) => {
+                let mut text = String::with_capacity(node.len() + 33);
+                text.push_str(node);
+                text.push('/');
+                for byte in bits.to_be_bytes() {
+                    let [high, low] = HEX_PAIRS[usize::from(byte)];
+                    text.push(char::from(high));
+                    text.push(char::from(low));
+                }
+                text.into_boxed_str()
+            }
+            // Set when it was made.
+            None => Box::from(""),
+        })
     }
 
     /// The node id part of the value.
     pub fn node_id(&self) -> &str {
-        self.0.rsplit_once('/').map_or(&self.0, |(node, _)| node)
+        match &self.0.drawn {
+            Some((node, _)) => node,
+            None => {
+                let text = self.as_str();
+                text.rsplit_once('/').map_or(text, |(node, _)| node)
+            }
+        }
     }
 }
 
@@ -479,6 +510,24 @@ mod tests {
         assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
         assert_eq!(a.node_id(), "node-a");
         assert!(!format!("{a:?}").contains(hex));
+    }
+
+    #[test]
+    fn a_drawn_token_equals_its_text_read_back_and_hashes_the_same() {
+        use std::hash::BuildHasher;
+        let drawn = OwnerToken::new("node/a");
+        let read = OwnerToken::from_value(drawn.as_str());
+        assert_eq!(drawn, read);
+        assert_eq!(read, drawn);
+        assert_eq!(read.node_id(), "node/a");
+        assert_eq!(drawn.node_id(), "node/a");
+        let state = std::collections::hash_map::RandomState::new();
+        assert_eq!(state.hash_one(&drawn), state.hash_one(&read));
+        // Same node id, other bits: another owner, also against its text.
+        let other = OwnerToken::new("node/a");
+        assert_ne!(drawn, other);
+        assert_ne!(OwnerToken::from_value(other.as_str()), drawn);
+        assert_ne!(OwnerToken::from_value("node/a"), drawn);
     }
 
     #[test]

@@ -209,7 +209,7 @@ fn apply(
         match result {
             Ok(ExtendOutcome::Extended) => {
                 e.held.confirm(sent_at);
-                e.backoff = first_backoff(e.held.ttl);
+                e.backoff = Duration::ZERO;
                 e.last_error = None;
                 tracing::trace!(key = %e.held.lease.key(), fencing_token = e.held.lease.fencing_token(), "lock extended");
                 let due = e.held.extension_due();
@@ -230,8 +230,13 @@ fn apply(
                 if now >= valid_until {
                     lost.push((id, LossCause::Backend(error)));
                 } else {
-                    let due = (now + e.backoff).min(valid_until);
-                    e.backoff = (e.backoff * 2).min(e.held.ttl / 6);
+                    let backoff = if e.backoff.is_zero() {
+                        first_backoff(e.held.ttl)
+                    } else {
+                        e.backoff
+                    };
+                    let due = (now + backoff).min(valid_until);
+                    e.backoff = (backoff * 2).min(e.held.ttl / 6);
                     wake |= s.schedule(id, due);
                 }
             }

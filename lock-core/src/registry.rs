@@ -6,9 +6,8 @@
 //! was given up). Shutdown waits on both: first for the callbacks, then for
 //! every owed release \[S1\].
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::future::Future;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -28,35 +27,116 @@ pub(crate) struct Entry {
     pub(crate) held: Arc<HeldLock>,
     /// When its next extension is due, if one is scheduled.
     pub(crate) due: Option<Instant>,
+    /// The pause before a failed extension is sent again; zero until one
+    /// failed (then [`first_backoff`](crate::extender::first_backoff)).
     pub(crate) backoff: Duration,
     pub(crate) last_error: Option<BackendError>,
 }
 
-/// Hashes the registry's ids, which it draws itself in sequence: a
-/// multiplication spreads them, with none of SipHash's cost.
+/// The held locks, by id: a slab. An id is its slot's index in the low 32
+/// bits and the slot's generation, counted up at every removal, in the high
+/// 32, so that an id kept after its lock left (by the schedule, or by an
+/// extension in flight) never finds the lock that took its slot next.
+/// Taking and leaving a slot costs no hashing, and the slots of released
+/// locks are reused.
 #[derive(Default)]
-pub(crate) struct IdHasher(u64);
+pub(crate) struct Entries {
+    slots: Vec<Slot>,
+    /// Indexes of the empty slots.
+    vacant: Vec<u32>,
+    len: usize,
+}
 
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
+#[derive(Default)]
+struct Slot {
+    generation: u32,
+    entry: Option<Entry>,
+}
+
+impl Entries {
+    fn split(id: u64) -> (usize, u32) {
+        // Truncations meant: the two halves of the id.
+        ((id & u64::from(u32::MAX)) as usize, (id >> 32) as u32)
     }
 
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
+    fn slot(&self, id: u64) -> Option<&Slot> {
+        let (index, generation) = Self::split(id);
+        self.slots
+            .get(index)
+            .filter(|slot| slot.generation == generation)
+    }
+
+    pub(crate) fn get(&self, id: &u64) -> Option<&Entry> {
+        self.slot(*id)?.entry.as_ref()
+    }
+
+    pub(crate) fn get_mut(&mut self, id: &u64) -> Option<&mut Entry> {
+        let (index, generation) = Self::split(*id);
+        self.slots
+            .get_mut(index)
+            .filter(|slot| slot.generation == generation)?
+            .entry
+            .as_mut()
+    }
+
+    pub(crate) fn contains_key(&self, id: &u64) -> bool {
+        self.get(id).is_some()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Stores `entry` in a free slot; returns its id.
+    fn insert(&mut self, entry: Entry) -> u64 {
+        let index = match self.vacant.pop() {
+            Some(index) => index,
+            None => {
+                // A registry of 2^32 locks at once would have run out of
+                // memory long before.
+                let index = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+                self.slots.push(Slot::default());
+                index
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.entry = Some(entry);
+        self.len += 1;
+        (u64::from(slot.generation) << 32) | u64::from(index)
+    }
+
+    fn remove(&mut self, id: &u64) -> Option<Entry> {
+        let (index, generation) = Self::split(*id);
+        let slot = self
+            .slots
+            .get_mut(index)
+            .filter(|slot| slot.generation == generation)?;
+        let entry = slot.entry.take()?;
+        slot.generation = slot.generation.wrapping_add(1);
+        self.vacant.push(u32::try_from(index).unwrap_or(u32::MAX));
+        self.len -= 1;
+        Some(entry)
+    }
+
+    /// Takes every entry out.
+    fn drain(&mut self) -> Vec<Entry> {
+        let mut drained = Vec::with_capacity(self.len);
+        self.len = 0;
+        self.vacant.clear();
+        for (index, slot) in (0..).zip(&mut self.slots) {
+            if let Some(entry) = slot.entry.take() {
+                slot.generation = slot.generation.wrapping_add(1);
+                drained.push(entry);
+            }
+            self.vacant.push(index);
         }
-    }
-
-    fn write_u64(&mut self, id: u64) {
-        self.0 = (self.0 ^ id).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        drained
     }
 }
 
 #[derive(Default)]
 pub(crate) struct State {
-    next_id: u64,
-    pub(crate) entries: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
+    pub(crate) entries: Entries,
     /// The extensions due, by time.
     pub(crate) schedule: BTreeSet<(Instant, u64)>,
     /// Callbacks' locks taken since the extender last looked, not yet in
@@ -171,19 +251,14 @@ impl Registry {
                 s.runtime = Some(runtime);
             }
         }
-        let id = s.next_id;
-        s.next_id += 1;
         let (holder, ttl) = (held.holder, held.ttl);
         let first_due = (holder == Holder::Callback).then(|| held.extension_due());
-        s.entries.insert(
-            id,
-            Entry {
-                backoff: crate::extender::first_backoff(ttl),
-                held,
-                due: None,
-                last_error: None,
-            },
-        );
+        let id = s.entries.insert(Entry {
+            backoff: Duration::ZERO,
+            held,
+            due: None,
+            last_error: None,
+        });
         if let Some(first_due) = first_due {
             s.callbacks += 1;
             // Scheduled when the extender next looks, which it does by
@@ -301,7 +376,7 @@ impl Registry {
         s.schedule.clear();
         s.unscheduled.clear();
         s.callbacks = 0;
-        let drained: Vec<Arc<HeldLock>> = s.entries.drain().map(|(_, e)| e.held).collect();
+        let drained: Vec<Arc<HeldLock>> = s.entries.drain().into_iter().map(|e| e.held).collect();
         s.owed += drained.len();
         drop(s);
         self.changed.notify_waiters();
@@ -335,5 +410,53 @@ impl Registry {
 impl Drop for Registry {
     fn drop(&mut self) {
         self.wake.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::OwnerToken;
+
+    fn entry() -> Entry {
+        let lease = Lease::new("k", OwnerToken::new("n"), 1);
+        let held = HeldLock::new(
+            0,
+            lease,
+            Duration::from_secs(30),
+            Instant::now(),
+            Holder::Callback,
+            Meter::new("test", false),
+        );
+        Entry {
+            held: Arc::new(held),
+            due: None,
+            backoff: Duration::ZERO,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn an_id_kept_after_its_lock_left_never_finds_the_next_one_in_its_slot() {
+        let mut entries = Entries::default();
+        let first = entries.insert(entry());
+        assert!(entries.contains_key(&first));
+        assert!(entries.remove(&first).is_some());
+        assert!(entries.remove(&first).is_none());
+        let second = entries.insert(entry());
+        assert_ne!(first, second, "the slot is reused under a new generation");
+        assert!(entries.get(&first).is_none());
+        assert!(entries.get_mut(&first).is_none());
+        assert!(entries.remove(&first).is_none());
+        assert!(entries.contains_key(&second));
+        let third = entries.insert(entry());
+        assert_eq!(entries.len(), 2);
+        let drained = entries.drain();
+        assert_eq!(drained.len(), 2);
+        assert_eq!(entries.len(), 0);
+        assert!(!entries.contains_key(&second) && !entries.contains_key(&third));
+        let fourth = entries.insert(entry());
+        assert!(![first, second, third].contains(&fourth));
+        assert!(entries.contains_key(&fourth));
     }
 }
