@@ -96,6 +96,44 @@ impl Inner {
         answer
     }
 
+    /// The record of a callback's lock just taken under `fresh`, or if that
+    /// is `None`, under the owner token of the `spare` record, which is
+    /// then renewed in place.
+    fn record(
+        &self,
+        key: &Arc<str>,
+        fresh: Option<OwnerToken>,
+        spare: &mut Option<Arc<HeldLock>>,
+        fencing_token: u64,
+        ttl: Duration,
+        sent_at: Instant,
+    ) -> Arc<HeldLock> {
+        let owner = match (fresh, spare.take()) {
+            (Some(owner), _) => owner,
+            (None, Some(mut record)) => match Arc::get_mut(&mut record) {
+                Some(renewed) => {
+                    renewed.renew(fencing_token, ttl, sent_at, Holder::Callback);
+                    return record;
+                }
+                // Nobody else can have taken a clone meanwhile; if one
+                // did, a new record under the same token.
+                None => record.lease.owner().clone(),
+            },
+            // Not reached: the token came from one or the other.
+            (None, None) => OwnerToken::draw(&self.node_id),
+        };
+        let lease = Lease::new(Arc::clone(key), owner, fencing_token);
+        let meter = self.registry.meter.clone();
+        Arc::new(HeldLock::new(
+            self.id,
+            lease,
+            ttl,
+            sent_at,
+            Holder::Callback,
+            meter,
+        ))
+    }
+
     /// Turns an acquired lease into a held lock, unless its answer came too
     /// late to use \[H6\]: then it is released and the attempt counts as
     /// failed. A lock taken after shutdown began is released too, and the
@@ -111,6 +149,16 @@ impl Inner {
     ) -> Result<(u64, Arc<HeldLock>), BackendError> {
         let meter = self.registry.meter.clone();
         let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder, meter));
+        self.hold_record(held, sent_at, at_once).await
+    }
+
+    /// As [`hold`](Self::hold), for a record already made.
+    async fn hold_record(
+        &self,
+        held: Arc<HeldLock>,
+        sent_at: Instant,
+        at_once: bool,
+    ) -> Result<(u64, Arc<HeldLock>), BackendError> {
         let answered_at = if at_once { sent_at } else { Instant::now() };
         if !held.is_valid_at(answered_at) {
             tracing::debug!(key = %held.lease.key(), "acquisition answered after the lease's validity ran out; releasing it");
@@ -157,18 +205,24 @@ impl Holding {
     /// key was still ours \[O6\]. `None` when the lock was no longer this
     /// call's to release (lost, or released by shutdown). `now` is the clock
     /// read just before.
+    /// The key's pass is given back with the answer: dropping it lets the
+    /// next task in.
     pub(crate) async fn release(
         mut self,
         now: Instant,
-    ) -> Option<Result<crate::backend::ReleaseOutcome, BackendError>> {
+    ) -> (
+        Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
+        Option<GatePass>,
+    ) {
         self.armed = false;
-        let owed = self.inner.registry.take_for_release(self.id)?;
+        let Some(owed) = self.inner.registry.take_for_release(self.id) else {
+            return (None, self.pass.take());
+        };
         let deadline = self.held.valid_until();
         // Dropped before the answer, it sends the release again in the
         // background: a release can be repeated.
         let answer = owed.sent_again_if_dropped().send_until(deadline, now).await;
-        drop(self.pass.take());
-        Some(answer)
+        (Some(answer), self.pass.take())
     }
 
     /// Gives the lock up after a loss: the extender or shutdown already
@@ -231,7 +285,7 @@ impl Locker {
             // [A6] Another task of this locker holds or tries the key: wait
             // in line. Each slot that passes counts as an attempt that found
             // the key busy, so the give-up time stays as configured.
-            let pass = match entered {
+            let mut pass = match entered {
                 Ok(pass) => pass,
                 Err(mut place) => loop {
                     tokio::select! {
@@ -250,6 +304,11 @@ impl Locker {
                 },
             };
 
+            // The record of this key's last lock, if its gate kept one: its
+            // owner token is drawn anew in place for each attempt, and the
+            // record is renewed for the lock taken, so that a key used
+            // again allocates neither.
+            let mut spare = pass.take_spare();
             let mut watch = None;
             // The last attempt that failed on a backend error, if any did.
             let mut last_error = None;
@@ -260,21 +319,36 @@ impl Locker {
                 if inner.shutdown.is_started() {
                     return never().await;
                 }
-                let owner = OwnerToken::draw(&inner.node_id);
+                // A new owner token for each attempt: the spare record's,
+                // redrawn (in place unless a clone of it was kept), or
+                // a new one.
+                let mut fresh = None;
+                let owner = match spare.as_mut().and_then(Arc::get_mut) {
+                    Some(record) => {
+                        let owner = record.lease.owner_mut();
+                        owner.redraw(&inner.node_id);
+                        &*owner
+                    }
+                    None => &*fresh.insert(OwnerToken::draw(&inner.node_id)),
+                };
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
                 let slot_due = sent_at >= *next_slot;
-                let (answer, at_once) = inner.attempt(key, &owner, config.ttl, sent_at).await;
+                let (answer, at_once) = inner.attempt(key, owner, config.ttl, sent_at).await;
                 if let Some(woken) = woken.take() {
                     inner.registry.meter.notification_lag(key, &woken);
                 }
                 let busy = match answer {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
-                        let lease = Lease::new(Arc::clone(key), owner, fencing_token);
-                        match inner
-                            .hold(lease, config.ttl, sent_at, at_once, Holder::Callback)
-                            .await
-                        {
+                        let held = inner.record(
+                            key,
+                            fresh,
+                            &mut spare,
+                            fencing_token,
+                            config.ttl,
+                            sent_at,
+                        );
+                        match inner.hold_record(held, sent_at, at_once).await {
                             Ok((id, held)) => {
                                 return Ok(Holding {
                                     inner: Arc::clone(inner),

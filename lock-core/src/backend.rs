@@ -88,6 +88,21 @@ impl OwnerToken {
         }))
     }
 
+    /// Draws new bits into this token, in place when no clone of it is left
+    /// (a token is sent again only under its own bits: nobody can tell).
+    pub(crate) fn redraw(&mut self, node_id: &Arc<str>) {
+        match Arc::get_mut(&mut self.0) {
+            Some(Token {
+                drawn: Some((node, bits)),
+                text,
+            }) if Arc::ptr_eq(node, node_id) => {
+                *bits = rand::random::<u128>();
+                text.take();
+            }
+            _ => *self = Self::draw(node_id),
+        }
+    }
+
     /// Wraps a value read back from a backend, such as one written by another
     /// client of the same wire format.
     pub fn from_value(value: impl Into<Box<str>>) -> Self {
@@ -172,6 +187,15 @@ impl Lease {
     /// The fencing token this acquisition was given.
     pub fn fencing_token(&self) -> u64 {
         self.fencing_token
+    }
+
+    /// The owner token, for a lease kept to be used again.
+    pub(crate) fn owner_mut(&mut self) -> &mut OwnerToken {
+        &mut self.owner
+    }
+
+    pub(crate) fn set_fencing_token(&mut self, fencing_token: u64) {
+        self.fencing_token = fencing_token;
     }
 }
 

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use hashbrown::HashTable;
 use tokio::sync::oneshot;
 
+use crate::held::HeldLock;
+
 /// How many gates with nobody at them are kept, for the next call on their
 /// key: it then allocates nothing, neither the gate nor the call's shared
 /// key, which it takes from the gate.
@@ -29,6 +31,10 @@ struct Gate {
     busy: bool,
     /// Who waits for the pass, in arrival order.
     waiters: VecDeque<oneshot::Sender<()>>,
+    /// The record of the last lock of this key, which nobody holds any
+    /// more, for the next one to take without an allocation (with its
+    /// owner token).
+    spare: Option<Arc<HeldLock>>,
 }
 
 #[derive(Default)]
@@ -41,7 +47,7 @@ struct Table {
 impl Table {
     /// Passes the gate of `key` to its next waiter; with none left, the
     /// gate goes idle, or away beyond [`KEPT_IDLE`] idle ones.
-    fn hand_over(&mut self, key: &GateKey) {
+    fn hand_over(&mut self, key: &GateKey, spare: Option<Arc<HeldLock>>) {
         let Ok(mut entry) = self
             .gates
             .find_entry(key.hash, |g| Arc::ptr_eq(&g.key, &key.key))
@@ -49,6 +55,9 @@ impl Table {
             return;
         };
         let gate = entry.get_mut();
+        if spare.is_some() {
+            gate.spare = spare;
+        }
         while let Some(next) = gate.waiters.pop_front() {
             if next.send(()).is_ok() {
                 return;
@@ -107,7 +116,14 @@ impl Gates {
             Some(gate) => {
                 gate.busy = true;
                 *idle -= 1;
-                Arc::clone(&gate.key)
+                return Ok(GatePass {
+                    gates: Arc::clone(self),
+                    key: GateKey {
+                        hash,
+                        key: Arc::clone(&gate.key),
+                    },
+                    spare: gate.spare.take(),
+                });
             }
             None => {
                 let key: Arc<str> = key.into();
@@ -116,6 +132,7 @@ impl Gates {
                     hash,
                     busy: true,
                     waiters: VecDeque::new(),
+                    spare: None,
                 };
                 gates.insert_unique(hash, gate, |g| g.hash);
                 key
@@ -124,6 +141,7 @@ impl Gates {
         Ok(GatePass {
             gates: Arc::clone(self),
             key: GateKey { hash, key },
+            spare: None,
         })
     }
 
@@ -138,6 +156,9 @@ impl Gates {
 pub(crate) struct GatePass {
     gates: Arc<Gates>,
     key: GateKey,
+    /// The gate's spare record when the pass was taken, or the one to give
+    /// it back when the pass is dropped.
+    spare: Option<Arc<HeldLock>>,
 }
 
 impl GatePass {
@@ -145,11 +166,27 @@ impl GatePass {
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.key.key
     }
+
+    /// The record of the key's last lock, if the gate kept one: nobody
+    /// else holds it.
+    pub(crate) fn take_spare(&mut self) -> Option<Arc<HeldLock>> {
+        self.spare.take()
+    }
+
+    /// Gives `held` to the gate as its spare record when the pass is
+    /// dropped, if nobody else holds it by then (a clone kept by a
+    /// callback's context, say, keeps it from being used again).
+    pub(crate) fn keep_spare(&mut self, held: Arc<HeldLock>) {
+        if Arc::strong_count(&held) == 1 && Arc::ptr_eq(held.lease.key_arc(), &self.key.key) {
+            self.spare = Some(held);
+        }
+    }
 }
 
 impl Drop for GatePass {
     fn drop(&mut self) {
-        self.gates.lock().hand_over(&self.key);
+        let spare = self.spare.take();
+        self.gates.lock().hand_over(&self.key, spare);
     }
 }
 
@@ -182,6 +219,7 @@ impl GateWait {
         GatePass {
             gates: Arc::clone(&self.gates),
             key: self.key.clone(),
+            spare: None,
         }
     }
 }
@@ -193,7 +231,7 @@ impl Drop for GateWait {
             // and the drop of the receiver.
             let mut table = self.gates.lock();
             if rx.try_recv().is_ok() {
-                table.hand_over(&self.key);
+                table.hand_over(&self.key, None);
             }
         }
     }

@@ -18,6 +18,20 @@ pub(crate) fn drift(ttl: Duration) -> Duration {
     ttl / 100 + Duration::from_millis(2)
 }
 
+/// The validity a request sent at `sent_at` gives, and the extension lead
+/// (see [`HeldLock`]).
+fn validity(ttl: Duration, sent_at: Instant) -> (Instant, Duration) {
+    // In whole nanoseconds: `Duration`'s operators check and normalise at
+    // every step. As `drift`, and MIN_TTL keeps two thirds of the ttl above
+    // the margin.
+    let ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
+    let drift_ns = ttl_ns / 100 + 2_000_000;
+    (
+        sent_at + Duration::from_nanos(ttl_ns.saturating_sub(drift_ns)),
+        Duration::from_nanos((ttl_ns / 3 * 2).saturating_sub(drift_ns)),
+    )
+}
+
 /// What kind of holder a lock has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Holder {
@@ -63,18 +77,14 @@ impl HeldLock {
         holder: Holder,
         meter: Meter,
     ) -> Self {
-        // In whole nanoseconds: `Duration`'s operators check and normalise
-        // at every step. As `drift`, and MIN_TTL keeps two thirds of the ttl
-        // above the margin.
-        let ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
-        let drift_ns = ttl_ns / 100 + 2_000_000;
+        let (valid_from_acquisition, extension_lead) = validity(ttl, sent_at);
         Self {
             lease,
             ttl,
             locker_id,
             holder,
-            valid_from_acquisition: sent_at + Duration::from_nanos(ttl_ns.saturating_sub(drift_ns)),
-            extension_lead: Duration::from_nanos((ttl_ns / 3 * 2).saturating_sub(drift_ns)),
+            valid_from_acquisition,
+            extension_lead,
             extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
@@ -82,6 +92,29 @@ impl HeldLock {
             meter,
             held_for: HeldTimer::start(),
         }
+    }
+
+    /// Makes this record, which nobody else holds any more, that of a new
+    /// acquisition of the same key by the same locker under its lease's
+    /// owner token: as [`new`](Self::new), without an allocation.
+    pub(crate) fn renew(
+        &mut self,
+        fencing_token: u64,
+        ttl: Duration,
+        sent_at: Instant,
+        holder: Holder,
+    ) {
+        let (valid_from_acquisition, extension_lead) = validity(ttl, sent_at);
+        self.lease.set_fencing_token(fencing_token);
+        self.ttl = ttl;
+        self.holder = holder;
+        self.valid_from_acquisition = valid_from_acquisition;
+        self.extension_lead = extension_lead;
+        *self.extended_by_nanos.get_mut() = 0;
+        self.lost = OnceLock::new();
+        *self.ended.get_mut() = false;
+        self.signal = Signal::default();
+        self.held_for = HeldTimer::start();
     }
 
     /// Until when the lock is certainly ours.

@@ -259,6 +259,9 @@ impl Locker {
             held: Arc::clone(&lock.held),
         };
         let guarded = Box::pin(AssertUnwindSafe(ctx.enter(callback(ctx.clone()))).catch_unwind());
+        // Only the callback holds the context now: once it is done, the
+        // lock's record can go back to the key's gate.
+        drop(ctx);
         match race(guarded, &lock.held, false).await {
             Ok(out) => {
                 let held = Arc::clone(&lock.held);
@@ -270,7 +273,8 @@ impl Locker {
                 if !held.is_valid_at(now) {
                     held.mark_lost(LossCause::Expired);
                 }
-                match lock.release(now).await {
+                let (answer, pass) = lock.release(now).await;
+                match answer {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
                         held.mark_lost(LossCause::Taken);
                     }
@@ -285,6 +289,11 @@ impl Locker {
                 let cause = held.loss_cause().cloned();
                 if let Some(cause) = &cause {
                     tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %cause, "lock lost before the callback settled");
+                }
+                // [H3] The next task of this node goes in; the record goes
+                // to the key's gate for the next lock of the key.
+                if let Some(mut pass) = pass {
+                    pass.keep_spare(held);
                 }
                 match (out, cause) {
                     (Err(panic), _) => resume_unwind(panic),

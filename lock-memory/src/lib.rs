@@ -62,7 +62,6 @@ struct Inner {
 /// How many freed keys keep their entry, for reuse.
 pub const KEPT_FREE: usize = 1024;
 
-#[derive(Default)]
 struct State {
     // hashbrown for `entry_ref`: one hash per call, and a key is allocated
     // only when its entry is made. foldhash, its default hasher, is seeded
@@ -71,6 +70,20 @@ struct State {
     fence: u64,
     /// How many entries are kept free (`Holder::free`).
     free: usize,
+    /// The owner of a free entry: its last owner token is let go, so that
+    /// the driver can draw its next one in the same allocation.
+    vacant: OwnerToken,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        Self {
+            held: HashMap::default(),
+            fence: 0,
+            free: 0,
+            vacant: OwnerToken::from_value(""),
+        }
+    }
 }
 
 struct Holder {
@@ -132,7 +145,9 @@ impl MemoryBackend {
         now: Instant,
     ) -> AcquireOutcome {
         let mut state = self.lock();
-        let State { held, fence, free } = &mut *state;
+        let State {
+            held, fence, free, ..
+        } = &mut *state;
         let holder = Holder {
             owner: owner.clone(),
             expires_at: now + ttl,
@@ -161,16 +176,18 @@ impl MemoryBackend {
 
     fn release_at(&self, lease: &Lease, now: Instant) -> ReleaseOutcome {
         let mut state = self.lock();
-        let State { held, free, .. } = &mut *state;
+        let State {
+            held, free, vacant, ..
+        } = &mut *state;
         let outcome = match held.entry_ref(lease.key()) {
             EntryRef::Occupied(slot) if slot.get().free => ReleaseOutcome::NotHeld,
             EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
                 // Expired: free, and this lease no longer holds it.
-                Self::keep_free(slot, free, now);
+                Self::keep_free(slot, free, vacant, now);
                 ReleaseOutcome::NotHeld
             }
             EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
-                Self::keep_free(slot, free, now);
+                Self::keep_free(slot, free, vacant, now);
                 ReleaseOutcome::Released
             }
             EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
@@ -187,6 +204,7 @@ impl MemoryBackend {
     fn keep_free<S: std::hash::BuildHasher>(
         mut slot: OccupiedEntry<'_, Box<str>, Holder, S>,
         free: &mut usize,
+        vacant: &OwnerToken,
         now: Instant,
     ) {
         if *free >= KEPT_FREE {
@@ -196,6 +214,7 @@ impl MemoryBackend {
         *free += 1;
         let holder = slot.get_mut();
         holder.free = true;
+        holder.owner = vacant.clone();
         holder.expires_at = holder.expires_at.min(now);
     }
 
@@ -437,5 +456,50 @@ mod tests {
             ));
         }
         assert_eq!(backend.lock().free, KEPT_FREE - 1);
+    }
+
+    #[tokio::test]
+    async fn a_key_used_again_gets_a_new_owner_token_and_a_kept_context_keeps_its_lock() {
+        let backend = MemoryBackend::new();
+        let locker = Locker::new(backend.clone());
+        let holder_text = |backend: &MemoryBackend| {
+            backend
+                .holder("k")
+                .map(|owner| owner.as_str().to_owned())
+                .unwrap()
+        };
+        // Records and owner tokens of a key are used again: each lock still
+        // has its own owner token and a greater fencing token.
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let (owner, fencing) = locker
+                .with_lock("k", |ctx| {
+                    let owner = holder_text(&backend);
+                    async move { (owner, ctx.fencing_token()) }
+                })
+                .await
+                .unwrap();
+            seen.push((owner, fencing));
+        }
+        assert!(seen[0].0 != seen[1].0 && seen[1].0 != seen[2].0 && seen[0].0 != seen[2].0);
+        assert!(seen[0].1 < seen[1].1 && seen[1].1 < seen[2].1);
+        // A context the callback gave away stays that of its own lock.
+        let kept = locker
+            .with_lock("k", |ctx| async move { ctx })
+            .await
+            .unwrap();
+        let kept_token = kept.fencing_token();
+        assert!(!kept.is_held());
+        let next = locker
+            .with_lock("k", |ctx| async move {
+                assert!(ctx.is_held());
+                ctx.fencing_token()
+            })
+            .await
+            .unwrap();
+        assert!(next > kept_token);
+        assert_eq!(kept.fencing_token(), kept_token);
+        assert!(!kept.is_held() && !kept.is_lost());
+        assert_eq!(backend.held_keys(), 0);
     }
 }
