@@ -215,13 +215,18 @@ impl Holding {
         Option<GatePass>,
     ) {
         self.armed = false;
-        let Some(owed) = self.inner.registry.take_for_release(self.id) else {
-            return (None, self.pass.take());
+        let (owed, failed) = match self.inner.registry.release_at_once(self.id, now) {
+            None => return (None, self.pass.take()),
+            Some(Ok(answer)) => return (Some(answer), self.pass.take()),
+            Some(Err(owed)) => owed,
         };
         let deadline = self.held.valid_until();
         // Dropped before the answer, it sends the release again in the
         // background: a release can be repeated.
-        let answer = owed.sent_again_if_dropped().send_until(deadline, now).await;
+        let answer = owed
+            .sent_again_if_dropped()
+            .send_until(deadline, now, failed)
+            .await;
         (Some(answer), self.pass.take())
     }
 

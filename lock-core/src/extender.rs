@@ -117,7 +117,7 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
                 )
             });
             if let Some(e) = s.remove(id) {
-                lost.push((e.held, LossCause::Backend(error)));
+                lost.push((e, LossCause::Backend(error)));
             }
             continue;
         }
@@ -244,7 +244,7 @@ fn apply(
     }
     let lost: Vec<_> = lost
         .into_iter()
-        .filter_map(|(id, cause)| s.remove(id).map(|e| (e.held, cause)))
+        .filter_map(|(id, cause)| s.remove(id).map(|held| (held, cause)))
         .collect();
     drop(s);
     if !lost.is_empty() {

@@ -111,9 +111,10 @@ impl HeldLock {
         self.valid_from_acquisition = valid_from_acquisition;
         self.extension_lead = extension_lead;
         *self.extended_by_nanos.get_mut() = 0;
-        self.lost = OnceLock::new();
+        self.lost.take();
         *self.ended.get_mut() = false;
-        self.signal = Signal::default();
+        // The signal is kept: nobody waits on a record nobody holds, and it
+        // keeps no permit (it only wakes those waiting).
         self.held_for = HeldTimer::start();
     }
 

@@ -15,7 +15,7 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::backend::{DynLockBackend, Lease};
+use crate::backend::{DynLockBackend, Lease, ReleaseOutcome};
 use crate::error::{BackendError, LossCause};
 use crate::held::{HeldLock, Holder};
 use crate::metrics::Meter;
@@ -195,7 +195,8 @@ impl State {
         self.unscheduled = taken;
     }
 
-    pub(crate) fn remove(&mut self, id: u64) -> Option<Entry> {
+    /// Takes a lock out; returns its record.
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Arc<HeldLock>> {
         let e = self.entries.remove(&id)?;
         if let Some(due) = e.due {
             self.schedule.remove(&(due, id));
@@ -203,7 +204,7 @@ impl State {
         if e.held.holder == Holder::Callback {
             self.callbacks -= 1;
         }
-        Some(e)
+        Some(e.held)
     }
 }
 
@@ -291,9 +292,9 @@ impl Registry {
 
     /// Takes a lock out that was lost: no release is owed for it.
     pub(crate) fn forget(&self, id: u64) -> Option<Arc<HeldLock>> {
-        let e = self.lock().remove(id)?;
+        let held = self.lock().remove(id)?;
         self.changed.notify_waiters();
-        Some(e.held)
+        Some(held)
     }
 
     /// Takes a lock out to release it. `None` if it was already taken out
@@ -301,11 +302,41 @@ impl Registry {
     /// returned value is sent and answered, or dropped.
     pub(crate) fn take_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
         let mut s = self.lock();
-        let e = s.remove(id)?;
+        let held = s.remove(id)?;
         s.owed += 1;
         drop(s);
         self.changed.notify_waiters();
-        Some(OwedRelease::new(Arc::clone(self), e.held.lease.clone()))
+        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
+    }
+
+    /// Takes a lock out to release it, counted as owed (`None` as
+    /// [`take_for_release`](Self::take_for_release)), and sends the release
+    /// to a backend that answers at once: then the answer, settled. Else
+    /// the release still owed, with the failed answer if there was one (to
+    /// hand to [`OwedRelease::send_until`]).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn release_at_once(
+        self: &Arc<Self>,
+        id: u64,
+        now: Instant,
+    ) -> Option<Result<Result<ReleaseOutcome, BackendError>, (OwedRelease, Option<BackendError>)>>
+    {
+        let mut s = self.lock();
+        let held = s.remove(id)?;
+        s.owed += 1;
+        drop(s);
+        self.changed.notify_waiters();
+        match self.backend.release_now(&held.lease, now) {
+            Some(Ok(outcome)) => {
+                tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
+                self.release_settled(true);
+                Some(Ok(Ok(outcome)))
+            }
+            answer => Some(Err((
+                OwedRelease::new(Arc::clone(self), held.lease.clone()),
+                answer.and_then(Result::err),
+            ))),
+        }
     }
 
     /// Owes the release of a lease that was never registered (taken after

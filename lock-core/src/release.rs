@@ -46,7 +46,7 @@ impl OwedRelease {
     /// Sends the release and waits for the store's answer.
     pub(crate) async fn send(self) -> Result<ReleaseOutcome, BackendError> {
         let now = Instant::now();
-        self.send_until(now, now).await
+        self.send_until(now, now, None).await
     }
 
     /// Sends the release, and sends it again with a short backoff after a
@@ -55,20 +55,26 @@ impl OwedRelease {
     /// whether the key was still ours. Gives the last answer, except that
     /// "not held" after a failed try that may have been applied proves
     /// nothing (that try may have released it): then the failure is given.
-    /// `now` is the clock read just before.
+    /// `now` is the clock read just before; `failed`, the error of a first
+    /// try already made.
     pub(crate) async fn send_until(
         mut self,
         deadline: Instant,
         mut now: Instant,
+        failed: Option<BackendError>,
     ) -> Result<ReleaseOutcome, BackendError> {
+        let mut failed = failed.map(Err);
         let mut pause = RETRY_PAUSE;
         // The first failed try whose request may have reached the store.
         let mut maybe_applied: Option<BackendError> = None;
         let answer = loop {
             let backend = &self.registry.backend;
-            let answer = match backend.release_now(&self.lease, now) {
+            let answer = match failed.take() {
                 Some(answer) => answer,
-                None => backend.release(&self.lease).await,
+                None => match backend.release_now(&self.lease, now) {
+                    Some(answer) => answer,
+                    None => backend.release(&self.lease).await,
+                },
             };
             match &answer {
                 Ok(ReleaseOutcome::NotHeld) => {
