@@ -218,8 +218,7 @@ pub(crate) fn validate_key(key: &str, max: usize) -> Result<(), InvalidInput> {
     if key.is_empty() {
         return Err(InvalidInput::EmptyKey);
     }
-    // Keys are short: a plain loop beats a call to memchr.
-    if key.bytes().any(|b| b == 0) {
+    if key.contains('\0') {
         return Err(InvalidInput::KeyHasNul);
     }
     if key.len() > max {
