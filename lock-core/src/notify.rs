@@ -2,6 +2,7 @@
 
 use hashbrown::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -90,6 +91,7 @@ impl Drop for HubWatch {
             .is_some_and(|tx| tx.receiver_count() == 0)
         {
             map.remove(&self.key);
+            self.hub.watched.store(map.len(), Ordering::SeqCst);
         }
     }
 }
@@ -97,6 +99,13 @@ impl Drop for HubWatch {
 #[derive(Default)]
 struct HubShared {
     keys: Mutex<HashMap<Arc<str>, watch::Sender<u64>>>,
+    /// How many keys are watched: the map's length, stored under its lock
+    /// at every change, so that a release with nobody watching takes no
+    /// lock. A watch made before a release is counted before it: the
+    /// caller watches, then tries the key again, which comes after its
+    /// count; if that try found the key held, the release came later and
+    /// sees the count.
+    watched: AtomicUsize,
 }
 
 impl HubShared {
@@ -129,6 +138,7 @@ impl ReleaseHub {
             None => {
                 let (tx, rx) = watch::channel(0);
                 map.insert(key.into(), tx);
+                self.shared.watched.store(map.len(), Ordering::SeqCst);
                 rx
             }
         };
@@ -143,12 +153,11 @@ impl ReleaseHub {
 
     /// Wakes every watch on `key`.
     pub fn notify(&self, key: &str) {
-        let map = self.shared.lock();
-        // Most releases have nobody waiting: no hashing then.
-        if map.is_empty() {
+        // Most releases have nobody waiting: no lock and no hashing then.
+        if self.shared.watched.load(Ordering::SeqCst) == 0 {
             return;
         }
-        if let Some(tx) = map.get(key) {
+        if let Some(tx) = self.shared.lock().get(key) {
             tx.send_modify(|n| *n = n.wrapping_add(1));
         }
     }

@@ -325,17 +325,19 @@ impl Registry {
         let held = s.remove(id)?;
         s.owed += 1;
         drop(s);
-        self.changed.notify_waiters();
+        // Those waiting for the registry to change are told once the
+        // release settled (or below, once it is known to be owed on).
         match self.backend.release_now(&held.lease, now) {
             Some(Ok(outcome)) => {
                 tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
                 self.release_settled(true);
                 Some(Ok(Ok(outcome)))
             }
-            answer => Some(Err((
-                OwedRelease::new(Arc::clone(self), held.lease.clone()),
-                answer.and_then(Result::err),
-            ))),
+            answer => {
+                self.changed.notify_waiters();
+                let owed = OwedRelease::new(Arc::clone(self), held.lease.clone());
+                Some(Err((owed, answer.and_then(Result::err))))
+            }
         }
     }
 
