@@ -229,5 +229,11 @@ mod tests {
         drop(b);
         assert_eq!(hub.watched_keys(), 0);
         hub.notify("k");
+        // Watched again after nobody watched: notified again.
+        let mut c = hub.watch("k");
+        hub.notify("k");
+        tokio::time::timeout(Duration::from_secs(1), c.released())
+            .await
+            .unwrap();
     }
 }
