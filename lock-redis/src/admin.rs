@@ -3,12 +3,18 @@
 //! themselves never use them.
 
 use std::future::Future;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use lock_core::{BackendError, BackendErrorKind, OwnerToken};
 
 use crate::backend::{map_redis_error, RedisBackend};
 use crate::slot::{fence_key, FENCE_INFIX};
+
+/// Reads a lock key, its ttl and its companion whatever their types, and
+/// with a channel as its argument also frees the key (a forced release).
+const READ_LUA: &str = include_str!("../lua/admin_read.lua");
+static READ: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(READ_LUA));
 
 /// How many keys one `SCAN` step asks for, and how many locks one pipeline
 /// of reads carries.
@@ -20,8 +26,9 @@ const BATCH: usize = 500;
 pub struct LockInfo {
     /// The key, as given to `with_lock` (without the backend's prefix).
     pub key: String,
-    /// The value the lock key holds, normally `<node id>/<32 hex>`; `None`
-    /// when the key is free.
+    /// The value the lock key holds, normally `<node id>/<32 hex>`, or
+    /// `<hash>` (the key's type) for a key of another type, as a client that
+    /// keeps its locks in a hash makes; `None` when the key is free.
     pub owner: Option<OwnerToken>,
     /// How long the lock lives without an extension; `None` when the key
     /// is free, or when its value was set without an expiry (not by
@@ -95,10 +102,24 @@ impl RedisBackend {
         keys.sort();
         keys.dedup();
         let mut held = Vec::new();
+        if keys.is_empty() {
+            return Ok(held);
+        }
+        // Loaded first: a pipeline cannot load a script it finds missing.
+        let hash: String = self
+            .admin_query(
+                "load script",
+                redis::cmd("SCRIPT").arg("LOAD").arg(READ_LUA),
+            )
+            .await?;
         for chunk in keys.chunks(BATCH) {
             let mut pipe = redis::pipe();
             for key in chunk {
-                pipe.get(key).cmd("PTTL").arg(key).get(fence_key(key));
+                pipe.cmd("EVALSHA")
+                    .arg(&hash)
+                    .arg(2)
+                    .arg(key)
+                    .arg(fence_key(key));
             }
             let answers: Vec<(Option<String>, i64, Option<String>)> =
                 self.admin_query("read", &pipe).await?;
@@ -113,8 +134,9 @@ impl RedisBackend {
     }
 
     /// The state of `key`: its holder and remaining ttl if it is held, and
-    /// its last fencing token, read in one `MULTI` (the lock key and its
-    /// companion share a hash slot).
+    /// its last fencing token, read in one script run (the lock key and its
+    /// companion share a hash slot). A key of another type, as a client
+    /// that keeps its locks in a hash makes, shows as held by `<hash>`.
     ///
     /// # Errors
     ///
@@ -125,13 +147,10 @@ impl RedisBackend {
     /// Read only: dropping the future changes nothing.
     pub async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .get(lock_key.as_ref())
-            .cmd("PTTL")
-            .arg(lock_key.as_ref())
-            .get(fence_key(&lock_key));
-        let answer = self.admin_query("inspect", &pipe).await?;
+        let fence = fence_key(&lock_key);
+        let answer = self
+            .run_script("inspect", &READ, &[&lock_key, &fence], &[])
+            .await?;
         self.info(&lock_key, answer)
     }
 
@@ -144,9 +163,10 @@ impl RedisBackend {
     /// its call ends with a lost lock. Meant for a holder that is known to
     /// be dead, whose lock would otherwise last until its ttl.
     ///
-    /// One `MULTI` of `GET`, `PTTL`, `GET` of the counter, `DEL` and
-    /// `PUBLISH` (published even when the key was free: waiters then try
-    /// once more, which is harmless).
+    /// One script run that reads the key as [`inspect`](Self::inspect)
+    /// does, then deletes it, whatever its type, and publishes the release
+    /// (even when the key was free: waiters then try once more, which is
+    /// harmless).
     ///
     /// # Errors
     ///
@@ -158,17 +178,15 @@ impl RedisBackend {
     /// A dropped call may or may not have freed the key.
     pub async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, BackendError> {
         let lock_key = self.lock_key(key);
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .get(lock_key.as_ref())
-            .cmd("PTTL")
-            .arg(lock_key.as_ref())
-            .get(fence_key(&lock_key))
-            .del(lock_key.as_ref())
-            .ignore()
-            .publish(self.channel(), lock_key.as_ref())
-            .ignore();
-        let answer = self.admin_query("force release", &pipe).await?;
+        let fence = fence_key(&lock_key);
+        let answer = self
+            .run_script(
+                "force release",
+                &READ,
+                &[&lock_key, &fence],
+                &[self.channel()],
+            )
+            .await?;
         let info = self.info(&lock_key, answer)?;
         Ok(info.is_held().then_some(info))
     }

@@ -457,7 +457,7 @@ impl RedisBackend {
         .await
     }
 
-    async fn run_script<T: redis::FromRedisValue>(
+    pub(crate) async fn run_script<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
         script: &Script,

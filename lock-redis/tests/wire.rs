@@ -218,3 +218,60 @@ fn assert_busy(got: &Result<(), LockError>) {
         "{got:?}"
     );
 }
+
+/// The operator's reads see a key another client keeps its lock in as a
+/// hash: `inspect` and `list_locks` show it held by `<hash>`, with its ttl,
+/// instead of failing on the type, and `force_release` frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_reads_show_a_lock_kept_in_a_hash() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let mut conn = raw(&url).await;
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let a = node(backend.clone(), "a");
+    // Used by withlock first, so that its fencing companion lists it, then
+    // taken as a hash by another client; a string lock beside it.
+    let foreign = ns.key("admin-hash");
+    a.with_lock(&foreign, |_| async {}).await.unwrap();
+    take_as_a_hash(&mut conn, &foreign).await;
+    let ours = ns.key("admin-string");
+    let mut handle = a.handle(&ours, Duration::from_secs(20)).unwrap();
+    assert!(handle.acquire().await.unwrap());
+
+    let info = backend.inspect(&foreign).await.unwrap();
+    assert!(info.is_held(), "{info:?}");
+    assert_eq!(info.owner.as_ref().map(|o| o.as_str()), Some("<hash>"));
+    let ttl = info.ttl.expect("the hash's expiry");
+    assert!(
+        ttl > Duration::from_secs(20) && ttl <= Duration::from_secs(30),
+        "{ttl:?}"
+    );
+    assert!(info.fencing_token.is_some(), "{info:?}");
+
+    let listed = backend.list_locks(ns.prefix()).await.unwrap();
+    let keys: Vec<&str> = listed.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, [foreign.as_str(), ours.as_str()], "{listed:?}");
+    assert_eq!(listed[0].node_id(), Some("<hash>"));
+    assert_eq!(listed[1].node_id(), Some("a"));
+
+    let freed = backend.force_release(&foreign).await.unwrap();
+    assert_eq!(
+        freed
+            .and_then(|i| i.owner)
+            .map(|o| o.as_str().to_owned())
+            .as_deref(),
+        Some("<hash>")
+    );
+    assert_eq!(key_type(&mut conn, &foreign).await, "none");
+    assert!(!backend.inspect(&foreign).await.unwrap().is_held());
+    // A free key: nothing to give back, and the counter stays.
+    let again = backend.force_release(&foreign).await.unwrap();
+    assert!(again.is_none());
+    assert!(backend
+        .inspect(&foreign)
+        .await
+        .unwrap()
+        .fencing_token
+        .is_some());
+    assert!(handle.release().await.unwrap());
+}
