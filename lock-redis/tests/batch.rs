@@ -334,8 +334,10 @@ async fn batched_acquisitions_draw_tokens_as_the_one_key_script() {
     let owner = OwnerToken::new("a");
     let before = script_runs(&url).await;
     // Scripts wait for a second on the server, so that the first steps are
-    // still on the wire when the others are made, however loaded the
-    // machine: those wait in the queue and go out in batches.
+    // still on the wire when the others are made: those wait in the queue
+    // and go out in batches. (On a loaded machine the connection's driver
+    // can run a step's round trip before the step is polled again, and
+    // every step then goes out alone, answered in its first poll.)
     let _: () = redis::cmd("CLIENT")
         .arg("PAUSE")
         .arg(1000)
