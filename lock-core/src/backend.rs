@@ -29,11 +29,16 @@ pub const MAX_KEY_LEN: usize = 1024;
 #[derive(Clone)]
 pub struct OwnerToken(Arc<Token>);
 
-struct Token {
-    /// The node id and the random bits of a drawn token; `None` for one
-    /// read back from a backend, whose text is set.
-    drawn: Option<(Arc<str>, u128)>,
-    text: OnceLock<Box<str>>,
+enum Token {
+    /// Drawn by this process: the node id and the random bits, and the
+    /// text once a backend asked for it.
+    Drawn {
+        node: Arc<str>,
+        bits: u128,
+        text: OnceLock<Box<str>>,
+    },
+    /// Read back from a backend.
+    Read(Box<str>),
 }
 
 impl PartialEq for OwnerToken {
@@ -42,12 +47,17 @@ impl PartialEq for OwnerToken {
         if Arc::ptr_eq(&self.0, &other.0) {
             return true;
         }
-        match (&self.0.drawn, &other.0.drawn) {
+        match (&*self.0, &*other.0) {
             // The text is the node id, `/` and the bits' 32 digits: equal
             // texts are equal parts.
-            (Some((node, bits)), Some((other_node, other_bits))) => {
-                bits == other_bits && node == other_node
-            }
+            (
+                Token::Drawn { node, bits, .. },
+                Token::Drawn {
+                    node: other_node,
+                    bits: other_bits,
+                    ..
+                },
+            ) => bits == other_bits && node == other_node,
             _ => self.as_str() == other.as_str(),
         }
     }
@@ -82,8 +92,9 @@ impl OwnerToken {
     /// Draws a new token for a node id already shared (the driver's, for
     /// every acquisition: no copy of it).
     pub(crate) fn draw(node_id: &Arc<str>) -> Self {
-        Self(Arc::new(Token {
-            drawn: Some((Arc::clone(node_id), rand::random::<u128>())),
+        Self(Arc::new(Token::Drawn {
+            node: Arc::clone(node_id),
+            bits: rand::random::<u128>(),
             text: OnceLock::new(),
         }))
     }
@@ -92,10 +103,7 @@ impl OwnerToken {
     /// (a token is sent again only under its own bits: nobody can tell).
     pub(crate) fn redraw(&mut self, node_id: &Arc<str>) {
         match Arc::get_mut(&mut self.0) {
-            Some(Token {
-                drawn: Some((node, bits)),
-                text,
-            }) if Arc::ptr_eq(node, node_id) => {
+            Some(Token::Drawn { node, bits, text }) if Arc::ptr_eq(node, node_id) => {
                 *bits = rand::random::<u128>();
                 text.take();
             }
@@ -106,16 +114,13 @@ impl OwnerToken {
     /// Wraps a value read back from a backend, such as one written by another
     /// client of the same wire format.
     pub fn from_value(value: impl Into<Box<str>>) -> Self {
-        Self(Arc::new(Token {
-            drawn: None,
-            text: OnceLock::from(value.into()),
-        }))
+        Self(Arc::new(Token::Read(value.into())))
     }
 
     /// The whole value, as a backend stores it.
     pub fn as_str(&self) -> &str {
-        self.0.text.get_or_init(|| match &self.0.drawn {
-            Some((node, bits)) => {
+        match &*self.0 {
+            Token::Drawn { node, bits, text } => text.get_or_init(|| {
                 let mut text = String::with_capacity(node.len() + 33);
                 text.push_str(node);
                 text.push('/');
@@ -125,20 +130,16 @@ impl OwnerToken {
                     text.push(char::from(low));
                 }
                 text.into_boxed_str()
-            }
-            // Set when it was made.
-            None => Box::from(""),
-        })
+            }),
+            Token::Read(text) => text,
+        }
     }
 
     /// The node id part of the value.
     pub fn node_id(&self) -> &str {
-        match &self.0.drawn {
-            Some((node, _)) => node,
-            None => {
-                let text = self.as_str();
-                text.rsplit_once('/').map_or(text, |(node, _)| node)
-            }
+        match &*self.0 {
+            Token::Drawn { node, .. } => node,
+            Token::Read(text) => text.rsplit_once('/').map_or(text, |(node, _)| node),
         }
     }
 }

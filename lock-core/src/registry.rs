@@ -66,17 +66,19 @@ impl Entries {
             .filter(|slot| slot.generation == generation)
     }
 
+    fn slot_mut(&mut self, id: u64) -> Option<&mut Slot> {
+        let (index, generation) = Self::split(id);
+        self.slots
+            .get_mut(index)
+            .filter(|slot| slot.generation == generation)
+    }
+
     pub(crate) fn get(&self, id: &u64) -> Option<&Entry> {
         self.slot(*id)?.entry.as_ref()
     }
 
     pub(crate) fn get_mut(&mut self, id: &u64) -> Option<&mut Entry> {
-        let (index, generation) = Self::split(*id);
-        self.slots
-            .get_mut(index)
-            .filter(|slot| slot.generation == generation)?
-            .entry
-            .as_mut()
+        self.slot_mut(*id)?.entry.as_mut()
     }
 
     pub(crate) fn contains_key(&self, id: &u64) -> bool {
@@ -106,14 +108,11 @@ impl Entries {
     }
 
     fn remove(&mut self, id: &u64) -> Option<Entry> {
-        let (index, generation) = Self::split(*id);
-        let slot = self
-            .slots
-            .get_mut(index)
-            .filter(|slot| slot.generation == generation)?;
+        let slot = self.slot_mut(*id)?;
         let entry = slot.entry.take()?;
         slot.generation = slot.generation.wrapping_add(1);
-        self.vacant.push(u32::try_from(index).unwrap_or(u32::MAX));
+        // The low half of the id is the slot's index.
+        self.vacant.push((*id & u64::from(u32::MAX)) as u32);
         self.len -= 1;
         Some(entry)
     }
@@ -301,12 +300,18 @@ impl Registry {
     /// (lost, or released by shutdown). The release is owed until the
     /// returned value is sent and answered, or dropped.
     pub(crate) fn take_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
+        let held = self.take_owed(id)?;
+        self.changed.notify_waiters();
+        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
+    }
+
+    /// Takes a lock out, its release counted as owed from now on; those
+    /// waiting for the registry to change are not told yet.
+    fn take_owed(&self, id: u64) -> Option<Arc<HeldLock>> {
         let mut s = self.lock();
         let held = s.remove(id)?;
         s.owed += 1;
-        drop(s);
-        self.changed.notify_waiters();
-        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
+        Some(held)
     }
 
     /// Takes a lock out to release it, counted as owed (`None` as
@@ -321,10 +326,7 @@ impl Registry {
         now: Instant,
     ) -> Option<Result<Result<ReleaseOutcome, BackendError>, (OwedRelease, Option<BackendError>)>>
     {
-        let mut s = self.lock();
-        let held = s.remove(id)?;
-        s.owed += 1;
-        drop(s);
+        let held = self.take_owed(id)?;
         // Those waiting for the registry to change are told once the
         // release settled (or below, once it is known to be owed on).
         match self.backend.release_now(&held.lease, now) {
