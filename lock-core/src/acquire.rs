@@ -269,12 +269,11 @@ impl Locker {
             Err(place) => Arc::clone(place.key()),
         };
         let key = &key;
-        // Not even made when nobody listens: its fields cost.
-        let span = if tracing::enabled!(tracing::Level::DEBUG) {
-            tracing::debug_span!("acquire", key = %key)
-        } else {
-            tracing::Span::none()
-        };
+        // Not even made when nobody listens: its fields cost, and so does
+        // dropping an empty span.
+        let span = tracing::enabled!(tracing::Level::DEBUG)
+            .then(|| tracing::debug_span!("acquire", key = %key))
+            .filter(|span| !span.is_disabled());
         let since = Stopwatch::start();
         let acquired = async move {
             let limit = match config.retry_attempts {
@@ -416,10 +415,9 @@ impl Locker {
         tokio::pin!(acquired);
         // Entering and leaving a span at every poll costs even when nobody
         // listens.
-        let acquired = if span.is_disabled() {
-            acquired.await
-        } else {
-            acquired.instrument(span).await
+        let acquired = match span {
+            None => acquired.await,
+            Some(span) => acquired.instrument(span).await,
         };
         let outcome = Acquisition::of(&acquired);
         inner.registry.meter.acquisition(key, outcome, &since);

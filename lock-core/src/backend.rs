@@ -1,5 +1,6 @@
 //! The steps a storage system implements to serve as a lock backend.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -83,6 +84,32 @@ const HEX_PAIRS: [[u8; 2]; 256] = {
     pairs
 };
 
+/// 128 random bits for an owner token, from the thread's generator
+/// (`rand::rng()`), drawn [`POOLED`] tokens' worth at a time: one call of
+/// its block function instead of one call, with its set-up, per token.
+fn random_bits() -> u128 {
+    const POOLED: usize = 16;
+    struct Pool {
+        next: usize,
+        bits: [u128; POOLED],
+    }
+    thread_local! {
+        static POOL: RefCell<Pool> = const {
+            RefCell::new(Pool { next: POOLED, bits: [0; POOLED] })
+        };
+    }
+    POOL.with_borrow_mut(|pool| {
+        if pool.next == POOLED {
+            rand::Rng::fill(&mut rand::rng(), &mut pool.bits[..]);
+            pool.next = 0;
+        }
+        // Each drawn value is handed out once: the slot is cleared.
+        let bits = std::mem::take(&mut pool.bits[pool.next]);
+        pool.next += 1;
+        bits
+    })
+}
+
 impl OwnerToken {
     /// Draws a new token for `node_id`.
     pub fn new(node_id: &str) -> Self {
@@ -94,7 +121,7 @@ impl OwnerToken {
     pub(crate) fn draw(node_id: &Arc<str>) -> Self {
         Self(Arc::new(Token::Drawn {
             node: Arc::clone(node_id),
-            bits: rand::random::<u128>(),
+            bits: random_bits(),
             text: OnceLock::new(),
         }))
     }
@@ -104,7 +131,7 @@ impl OwnerToken {
     pub(crate) fn redraw(&mut self, node_id: &Arc<str>) {
         match Arc::get_mut(&mut self.0) {
             Some(Token::Drawn { node, bits, text }) if Arc::ptr_eq(node, node_id) => {
-                *bits = rand::random::<u128>();
+                *bits = random_bits();
                 text.take();
             }
             _ => *self = Self::draw(node_id),
@@ -535,6 +562,33 @@ mod tests {
         assert!(hex.chars().all(|c| c.is_ascii_hexdigit()));
         assert_eq!(a.node_id(), "node-a");
         assert!(!format!("{a:?}").contains(hex));
+    }
+
+    #[test]
+    fn tokens_drawn_across_many_pool_refills_and_threads_are_all_distinct() {
+        let draw = || {
+            let node = Arc::from("n");
+            let mut redrawn = OwnerToken::draw(&node);
+            let mut texts = Vec::new();
+            for _ in 0..200 {
+                texts.push(OwnerToken::draw(&node).as_str().to_owned());
+                redrawn.redraw(&node);
+                texts.push(redrawn.as_str().to_owned());
+            }
+            texts
+        };
+        let other = std::thread::spawn(draw);
+        let mut all = draw();
+        all.extend(other.join().unwrap());
+        let distinct: std::collections::HashSet<_> = all.iter().collect();
+        assert_eq!(distinct.len(), all.len());
+        // Random bits, not a count: each hex digit takes many values at
+        // every place.
+        for place in 0..32 {
+            let digits: std::collections::HashSet<_> =
+                all.iter().map(|t| t.as_bytes()[2 + place]).collect();
+            assert!(digits.len() >= 12, "place {place}: {digits:?}");
+        }
     }
 
     #[test]

@@ -109,6 +109,14 @@ impl LockContext {
     pub(crate) fn enter<F: Future>(&self, fut: F) -> Scoped<F> {
         HELD.scope(Chain::current().push(self.clone()), fut)
     }
+
+    /// Runs the future `callback` makes of this context inside this lock's
+    /// task-local scope (one clone of the context fewer than
+    /// [`enter`](Self::enter) with a clone for the callback).
+    pub(crate) fn run<F: Future>(self, callback: impl FnOnce(Self) -> F) -> Scoped<F> {
+        let chain = Chain::current().push(self.clone());
+        HELD.scope(chain, callback(self))
+    }
 }
 
 impl fmt::Debug for LockContext {

@@ -12,22 +12,16 @@ use crate::error::LossCause;
 use crate::metrics::{HeldTimer, Meter};
 use crate::task::Signal;
 
-/// The margin taken off a lease's validity for clock drift between this
-/// process and the store: 1% of the ttl plus 2 ms.
-pub(crate) fn drift(ttl: Duration) -> Duration {
-    ttl / 100 + Duration::from_millis(2)
-}
-
-/// The validity a request sent at `sent_at` gives, and the extension lead
-/// (see [`HeldLock`]).
-fn validity(ttl: Duration, sent_at: Instant) -> (Instant, Duration) {
+/// How long a request's lease is certainly valid after it was sent: the
+/// ttl less the margin for clock drift between this process and the store
+/// (1% of the ttl plus 2 ms). And the extension lead (see [`HeldLock`]).
+fn validity(ttl: Duration) -> (Duration, Duration) {
     // In whole nanoseconds: `Duration`'s operators check and normalise at
-    // every step. As `drift`, and MIN_TTL keeps two thirds of the ttl above
-    // the margin.
+    // every step. MIN_TTL keeps two thirds of the ttl above the margin.
     let ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);
     let drift_ns = ttl_ns / 100 + 2_000_000;
     (
-        sent_at + Duration::from_nanos(ttl_ns.saturating_sub(drift_ns)),
+        Duration::from_nanos(ttl_ns.saturating_sub(drift_ns)),
         Duration::from_nanos((ttl_ns / 3 * 2).saturating_sub(drift_ns)),
     )
 }
@@ -51,6 +45,9 @@ pub(crate) struct HeldLock {
     /// The validity the acquisition gave: its expiry, minus the drift
     /// margin.
     valid_from_acquisition: Instant,
+    /// How long the validity of a request lasts after it was sent: the ttl,
+    /// less the drift margin.
+    valid_for: Duration,
     /// How long before the validity's end an extension is due: two thirds
     /// of the ttl, less the drift margin.
     extension_lead: Duration,
@@ -77,13 +74,14 @@ impl HeldLock {
         holder: Holder,
         meter: Meter,
     ) -> Self {
-        let (valid_from_acquisition, extension_lead) = validity(ttl, sent_at);
+        let (valid_for, extension_lead) = validity(ttl);
         Self {
             lease,
             ttl,
             locker_id,
             holder,
-            valid_from_acquisition,
+            valid_from_acquisition: sent_at + valid_for,
+            valid_for,
             extension_lead,
             extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
@@ -104,12 +102,15 @@ impl HeldLock {
         sent_at: Instant,
         holder: Holder,
     ) {
-        let (valid_from_acquisition, extension_lead) = validity(ttl, sent_at);
+        // The same ttl as last time, as a key used again mostly has: the
+        // spans are those already worked out.
+        if ttl != self.ttl {
+            (self.valid_for, self.extension_lead) = validity(ttl);
+            self.ttl = ttl;
+        }
         self.lease.set_fencing_token(fencing_token);
-        self.ttl = ttl;
         self.holder = holder;
-        self.valid_from_acquisition = valid_from_acquisition;
-        self.extension_lead = extension_lead;
+        self.valid_from_acquisition = sent_at + self.valid_for;
         *self.extended_by_nanos.get_mut() = 0;
         self.lost.take();
         *self.ended.get_mut() = false;
@@ -141,7 +142,7 @@ impl HeldLock {
 
     /// Records an extension sent at `sent_at` that the store confirmed.
     pub(crate) fn confirm(&self, sent_at: Instant) {
-        let until = sent_at + self.ttl - drift(self.ttl);
+        let until = sent_at + self.valid_for;
         let by = until.saturating_duration_since(self.valid_from_acquisition);
         let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
         self.extended_by_nanos.fetch_max(nanos, Ordering::AcqRel);

@@ -261,10 +261,9 @@ impl Locker {
         let ctx = LockContext {
             held: Arc::clone(&lock.held),
         };
-        let guarded = Box::pin(AssertUnwindSafe(ctx.enter(callback(ctx.clone()))).catch_unwind());
-        // Only the callback holds the context now: once it is done, the
-        // lock's record can go back to the key's gate.
-        drop(ctx);
+        // Only the callback holds the context: once it is done, the lock's
+        // record can go back to the key's gate.
+        let guarded = Box::pin(AssertUnwindSafe(ctx.run(callback)).catch_unwind());
         match race(guarded, &lock.held, false).await {
             Ok(out) => {
                 let held = Arc::clone(&lock.held);

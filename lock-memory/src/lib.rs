@@ -62,36 +62,24 @@ struct Inner {
 /// How many freed keys keep their entry, for reuse.
 pub const KEPT_FREE: usize = 1024;
 
+#[derive(Default)]
 struct State {
     // hashbrown for `entry_ref`: one hash per call, and a key is allocated
     // only when its entry is made. foldhash, its default hasher, is seeded
     // per map but only "minimally DoS-resistant", unlike std's SipHash.
     held: HashMap<Box<str>, Holder>,
     fence: u64,
-    /// How many entries are kept free (`Holder::free`).
+    /// How many entries are kept free (with no owner).
     free: usize,
-    /// The owner of a free entry: its last owner token is let go, so that
-    /// the driver can draw its next one in the same allocation.
-    vacant: OwnerToken,
-}
-
-impl Default for State {
-    fn default() -> Self {
-        Self {
-            held: HashMap::default(),
-            fence: 0,
-            free: 0,
-            vacant: OwnerToken::from_value(""),
-        }
-    }
 }
 
 struct Holder {
-    owner: OwnerToken,
+    /// `None` once released: the entry is kept free for reuse, counted in
+    /// `State::free`, and its last owner token is let go, so that the
+    /// driver can draw its next one in the same allocation.
+    owner: Option<OwnerToken>,
     /// At or before a free entry's release: a free entry reads as expired.
     expires_at: Instant,
-    /// Released and kept for reuse, counted in `State::free`.
-    free: bool,
 }
 
 impl MemoryBackend {
@@ -124,7 +112,7 @@ impl MemoryBackend {
             .held
             .get(key)
             .filter(|h| h.expires_at > now)
-            .map(|h| h.owner.clone())
+            .and_then(|h| h.owner.clone())
     }
 
     /// How long `key` stays held without an extension, if it is held.
@@ -149,9 +137,8 @@ impl MemoryBackend {
             held, fence, free, ..
         } = &mut *state;
         let holder = Holder {
-            owner: owner.clone(),
+            owner: Some(owner.clone()),
             expires_at: now + ttl,
-            free: false,
         };
         match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().expires_at > now => {
@@ -159,7 +146,7 @@ impl MemoryBackend {
             }
             // An expired holder's or a free entry is reused, key and all.
             EntryRef::Occupied(mut slot) => {
-                if slot.get().free {
+                if slot.get().owner.is_none() {
                     *free -= 1;
                 }
                 *slot.get_mut() = holder;
@@ -176,18 +163,16 @@ impl MemoryBackend {
 
     fn release_at(&self, lease: &Lease, now: Instant) -> ReleaseOutcome {
         let mut state = self.lock();
-        let State {
-            held, free, vacant, ..
-        } = &mut *state;
+        let State { held, free, .. } = &mut *state;
         let outcome = match held.entry_ref(lease.key()) {
-            EntryRef::Occupied(slot) if slot.get().free => ReleaseOutcome::NotHeld,
+            EntryRef::Occupied(slot) if slot.get().owner.is_none() => ReleaseOutcome::NotHeld,
             EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
                 // Expired: free, and this lease no longer holds it.
-                Self::keep_free(slot, free, vacant, now);
+                Self::keep_free(slot, free, now);
                 ReleaseOutcome::NotHeld
             }
-            EntryRef::Occupied(slot) if slot.get().owner == *lease.owner() => {
-                Self::keep_free(slot, free, vacant, now);
+            EntryRef::Occupied(slot) if slot.get().owner.as_ref() == Some(lease.owner()) => {
+                Self::keep_free(slot, free, now);
                 ReleaseOutcome::Released
             }
             EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
@@ -204,7 +189,6 @@ impl MemoryBackend {
     fn keep_free<S: std::hash::BuildHasher>(
         mut slot: OccupiedEntry<'_, Box<str>, Holder, S>,
         free: &mut usize,
-        vacant: &OwnerToken,
         now: Instant,
     ) {
         if *free >= KEPT_FREE {
@@ -213,15 +197,14 @@ impl MemoryBackend {
         }
         *free += 1;
         let holder = slot.get_mut();
-        holder.free = true;
-        holder.owner = vacant.clone();
+        holder.owner = None;
         holder.expires_at = holder.expires_at.min(now);
     }
 
     fn extend_one(state: &mut State, lease: &Lease, ttl: Duration, now: Instant) -> ExtendOutcome {
         match state.held.get_mut(lease.key()) {
             Some(h) if h.expires_at <= now => ExtendOutcome::Expired,
-            Some(h) if h.owner == *lease.owner() => {
+            Some(h) if h.owner.as_ref() == Some(lease.owner()) => {
                 h.expires_at = now + ttl;
                 ExtendOutcome::Extended
             }
