@@ -244,7 +244,11 @@ fn has_nul(bytes: &[u8]) -> bool {
         word.copy_from_slice(chunk);
         zero_in(u64::from_ne_bytes(word))
     });
-    in_words || words.remainder().iter().any(|&byte| byte == 0)
+    in_words
+        || words
+            .remainder()
+            .iter()
+            .fold(false, |nul, &byte| nul | (byte == 0))
 }
 
 /// Settings of one [`Locker`](crate::Locker), that is of one node.
