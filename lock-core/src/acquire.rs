@@ -96,29 +96,21 @@ impl Inner {
         answer
     }
 
-    /// The record of a callback's lock just taken under `fresh`, or if that
-    /// is `None`, under the owner token of the `spare` record, which is
-    /// then renewed in place.
+    /// The record of a callback's lock just taken: `renewed`, the key's
+    /// spare record already renewed in place, or else a new one under the
+    /// `fresh` owner token.
     fn record(
         &self,
         key: &Arc<str>,
         fresh: Option<OwnerToken>,
-        spare: &mut Option<Arc<HeldLock>>,
+        renewed: Option<Arc<HeldLock>>,
         fencing_token: u64,
         ttl: Duration,
         sent_at: Instant,
     ) -> Arc<HeldLock> {
-        let owner = match (fresh, spare.take()) {
-            (Some(owner), _) => owner,
-            (None, Some(mut record)) => match Arc::get_mut(&mut record) {
-                Some(renewed) => {
-                    renewed.renew(fencing_token, ttl, sent_at, Holder::Callback);
-                    return record;
-                }
-                // Nobody else can have taken a clone meanwhile; if one
-                // did, a new record under the same token.
-                None => record.lease.owner().clone(),
-            },
+        let owner = match (renewed, fresh) {
+            (Some(record), _) => return record,
+            (None, Some(owner)) => owner,
             // Not reached: the token came from one or the other.
             (None, None) => OwnerToken::draw(&self.node_id),
         };
@@ -189,65 +181,82 @@ impl Inner {
 }
 
 /// A lock held for a callback, with the key's pass. Dropping it releases
-/// the lock in the background \[C2\].
-pub(crate) struct Holding {
-    pub(crate) inner: Arc<Inner>,
-    pub(crate) id: u64,
+/// the lock in the background \[C2\], then lets the next task of this
+/// node in (the fields drop in this order).
+pub(crate) struct Holding<'a> {
+    release_on_drop: ReleaseOnDrop<'a>,
     pub(crate) held: Arc<HeldLock>,
-    pass: Option<GatePass>,
+    pass: Option<GatePass<'a>>,
+}
+
+/// Releases a lock of the registry in the background when dropped armed.
+struct ReleaseOnDrop<'a> {
+    inner: &'a Inner,
+    id: u64,
     armed: bool,
 }
 
-impl Holding {
-    /// Releases the lock and waits for the store's answer, then lets the
-    /// next task of this node in \[H3\]. A release that fails is sent again
-    /// while the lock is still valid, so that the answer can say whether the
-    /// key was still ours \[O6\]. `None` when the lock was no longer this
-    /// call's to release (lost, or released by shutdown). `now` is the clock
-    /// read just before.
-    /// The key's pass is given back with the answer: dropping it lets the
-    /// next task in.
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            if let Some(owed) = self.inner.registry.take_ended_for_release(self.id) {
+                owed.in_background();
+            }
+        }
+    }
+}
+
+impl<'a> Holding<'a> {
+    /// Releases the lock and waits for the store's answer \[H3\]. A release
+    /// that fails is sent again while the lock is still valid, so that the
+    /// answer can say whether the key was still ours \[O6\]. `None` when the
+    /// lock was no longer this call's to release (lost, or released by
+    /// shutdown). `now` is the clock read just before.
+    ///
+    /// The lock's record and the key's pass are given back with the answer:
+    /// dropping the pass lets the next task in.
     pub(crate) async fn release(
-        mut self,
+        self,
         now: Instant,
     ) -> (
         Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
-        Option<GatePass>,
+        Arc<HeldLock>,
+        Option<GatePass<'a>>,
     ) {
-        self.armed = false;
-        let (owed, failed) = match self.inner.registry.release_at_once(self.id, now) {
-            None => return (None, self.pass.take()),
-            Some(Ok(answer)) => return (Some(answer), self.pass.take()),
+        let Self {
+            mut release_on_drop,
+            held,
+            pass,
+        } = self;
+        release_on_drop.armed = false;
+        let ReleaseOnDrop { inner, id, .. } = release_on_drop;
+        let (owed, failed) = match inner.registry.release_at_once(id, now) {
+            None => return (None, held, pass),
+            Some(Ok(answer)) => return (Some(answer), held, pass),
             Some(Err(owed)) => owed,
         };
-        let deadline = self.held.valid_until();
+        let deadline = held.valid_until();
         // Dropped before the answer, it sends the release again in the
         // background: a release can be repeated.
         let answer = owed
             .sent_again_if_dropped()
             .send_until(deadline, now, failed)
             .await;
-        (Some(answer), self.pass.take())
+        (Some(answer), held, pass)
     }
 
     /// Gives the lock up after a loss: the extender or shutdown already
     /// took it out; if not, it is released in the background.
     pub(crate) fn abandon(mut self) {
-        self.armed = false;
+        self.release_on_drop.armed = false;
         self.held.mark_ended();
-        if let Some(owed) = self.inner.registry.take_for_release(self.id) {
+        if let Some(owed) = self
+            .release_on_drop
+            .inner
+            .registry
+            .take_for_release(self.release_on_drop.id)
+        {
             owed.in_background();
-        }
-    }
-}
-
-impl Drop for Holding {
-    fn drop(&mut self) {
-        if self.armed {
-            self.held.mark_ended();
-            if let Some(owed) = self.inner.registry.take_for_release(self.id) {
-                owed.in_background();
-            }
         }
     }
 }
@@ -258,7 +267,7 @@ impl Locker {
         &self,
         key: &str,
         config: &LockConfig,
-    ) -> Result<Holding, LockError> {
+    ) -> Result<Holding<'_>, LockError> {
         let inner = self.inner();
         // [A6] The key's gate: its pass, or a place in line if another task
         // of this locker holds or tries the key. The gate shares the key's
@@ -326,14 +335,20 @@ impl Locker {
                 // A new owner token for each attempt: the spare record's,
                 // redrawn (in place unless a clone of it was kept), or
                 // a new one.
-                let mut fresh = None;
-                let owner = match spare.as_mut().and_then(Arc::get_mut) {
+                // The spare record, if nobody else holds it, is renewed for
+                // the lock taken.
+                let mut reused = spare.as_mut().and_then(Arc::get_mut);
+                let fresh = match &mut reused {
                     Some(record) => {
-                        let owner = record.lease.owner_mut();
-                        owner.redraw(&inner.node_id);
-                        &*owner
+                        record.lease.owner_mut().redraw(&inner.node_id);
+                        None
                     }
-                    None => &*fresh.insert(OwnerToken::draw(&inner.node_id)),
+                    None => Some(OwnerToken::draw(&inner.node_id)),
+                };
+                let owner = match (&reused, &fresh) {
+                    (Some(record), _) => record.lease.owner(),
+                    (None, Some(owner)) => owner,
+                    (None, None) => unreachable!("a token is drawn when no record is reused"),
                 };
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
@@ -344,10 +359,13 @@ impl Locker {
                 }
                 let busy = match answer {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
+                        let renewed = reused.map(|record| {
+                            record.renew(fencing_token, config.ttl, sent_at, Holder::Callback);
+                        });
                         let held = inner.record(
                             key,
                             fresh,
-                            &mut spare,
+                            renewed.and_then(|()| spare.take()),
                             fencing_token,
                             config.ttl,
                             sent_at,
@@ -355,11 +373,13 @@ impl Locker {
                         match inner.hold_record(held, sent_at, at_once).await {
                             Ok((id, held)) => {
                                 return Ok(Holding {
-                                    inner: Arc::clone(inner),
-                                    id,
+                                    release_on_drop: ReleaseOnDrop {
+                                        inner,
+                                        id,
+                                        armed: true,
+                                    },
                                     held,
                                     pass: Some(pass),
-                                    armed: true,
                                 });
                             }
                             Err(late) => {

@@ -96,7 +96,7 @@ impl Gates {
 
     /// Takes the pass of `key` at once, or queues for it. Either holds the
     /// key as a shared string, for the call to use.
-    pub(crate) fn enter(self: &Arc<Self>, key: &str) -> Result<GatePass, GateWait> {
+    pub(crate) fn enter(&self, key: &str) -> Result<GatePass<'_>, GateWait<'_>> {
         let hash = self.hasher.hash_one(key);
         let mut table = self.lock();
         let Table { gates, idle } = &mut *table;
@@ -106,7 +106,7 @@ impl Gates {
                 gate.waiters.push_back(tx);
                 return Err(GateWait {
                     rx: Some(rx),
-                    gates: Arc::clone(self),
+                    gates: self,
                     key: GateKey {
                         hash,
                         key: Arc::clone(&gate.key),
@@ -117,7 +117,7 @@ impl Gates {
                 gate.busy = true;
                 *idle -= 1;
                 return Ok(GatePass {
-                    gates: Arc::clone(self),
+                    gates: self,
                     key: GateKey {
                         hash,
                         key: Arc::clone(&gate.key),
@@ -139,7 +139,7 @@ impl Gates {
             }
         };
         Ok(GatePass {
-            gates: Arc::clone(self),
+            gates: self,
             key: GateKey { hash, key },
             spare: None,
         })
@@ -153,15 +153,15 @@ impl Gates {
 }
 
 /// The right to try the backend for one key and to hold its lock.
-pub(crate) struct GatePass {
-    gates: Arc<Gates>,
+pub(crate) struct GatePass<'a> {
+    gates: &'a Gates,
     key: GateKey,
     /// The gate's spare record when the pass was taken, or the one to give
     /// it back when the pass is dropped.
     spare: Option<Arc<HeldLock>>,
 }
 
-impl GatePass {
+impl GatePass<'_> {
     /// The key, as a string shared with its gate.
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.key.key
@@ -183,7 +183,7 @@ impl GatePass {
     }
 }
 
-impl Drop for GatePass {
+impl Drop for GatePass<'_> {
     fn drop(&mut self) {
         let spare = self.spare.take();
         self.gates.lock().hand_over(&self.key, spare);
@@ -191,13 +191,13 @@ impl Drop for GatePass {
 }
 
 /// A place in a key's wait list.
-pub(crate) struct GateWait {
+pub(crate) struct GateWait<'a> {
     rx: Option<oneshot::Receiver<()>>,
-    gates: Arc<Gates>,
+    gates: &'a Gates,
     key: GateKey,
 }
 
-impl GateWait {
+impl<'a> GateWait<'a> {
     /// The key, as a string shared with its gate.
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.key.key
@@ -209,7 +209,7 @@ impl GateWait {
     ///
     /// Cancel safe: the place is kept until the `GateWait` is dropped, and a
     /// pass that reached a dropped place goes on to the next one.
-    pub(crate) async fn wait(&mut self) -> GatePass {
+    pub(crate) async fn wait(&mut self) -> GatePass<'a> {
         if let Some(rx) = self.rx.as_mut() {
             // An error means the sender was dropped without sending, which
             // `hand_over` never does; either way the place is ours now.
@@ -217,14 +217,14 @@ impl GateWait {
             self.rx = None;
         }
         GatePass {
-            gates: Arc::clone(&self.gates),
+            gates: self.gates,
             key: self.key.clone(),
             spare: None,
         }
     }
 }
 
-impl Drop for GateWait {
+impl Drop for GateWait<'_> {
     fn drop(&mut self) {
         if let Some(mut rx) = self.rx.take() {
             // Under the table's lock no pass can arrive between the check
@@ -244,7 +244,7 @@ mod tests {
 
     #[tokio::test]
     async fn passes_go_in_arrival_order_and_skip_dropped_places() {
-        let gates = Arc::new(Gates::default());
+        let gates = Gates::default();
         let first = gates.enter("k").ok().unwrap();
         let mut second = gates.enter("k").err().unwrap();
         let third = gates.enter("k").err().unwrap();
@@ -271,7 +271,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pass_that_reached_a_dropped_waiter_moves_on() {
-        let gates = Arc::new(Gates::default());
+        let gates = Gates::default();
         let first = gates.enter("k").ok().unwrap();
         let second = gates.enter("k").err().unwrap();
         let mut third = gates.enter("k").err().unwrap();
@@ -284,7 +284,7 @@ mod tests {
 
     #[test]
     fn an_idle_gate_is_reused_with_its_key_and_kept_idle_ones_are_bounded() {
-        let gates = Arc::new(Gates::default());
+        let gates = Gates::default();
         let first = gates.enter("k").ok().unwrap();
         let key = Arc::clone(first.key());
         drop(first);

@@ -58,7 +58,7 @@ pub(crate) struct Inner {
     pub(crate) caps: Capabilities,
     pub(crate) node_id: Arc<str>,
     pub(crate) options: LockerOptions,
-    pub(crate) gates: Arc<Gates>,
+    pub(crate) gates: Gates,
     pub(crate) registry: Arc<Registry>,
     pub(crate) shutdown: ShutdownSignal,
 }
@@ -94,7 +94,7 @@ impl Locker {
                 caps,
                 node_id: node_id.into(),
                 options,
-                gates: Arc::default(),
+                gates: Gates::default(),
                 shutdown: ShutdownSignal::default(),
             }),
         })
@@ -266,16 +266,15 @@ impl Locker {
         let guarded = Box::pin(AssertUnwindSafe(ctx.run(callback)).catch_unwind());
         match race(guarded, &lock.held, false).await {
             Ok(out) => {
-                let held = Arc::clone(&lock.held);
                 // [O6] The output counts only if the lock was ours for the
                 // whole callback: still valid when it settled (a holder that
                 // stalled past its ttl is told here, even when no extension
                 // ran meanwhile), and found ours by the release.
                 let now = Instant::now();
-                if !held.is_valid_at(now) {
-                    held.mark_lost(LossCause::Expired);
+                if !lock.held.is_valid_at(now) {
+                    lock.held.mark_lost(LossCause::Expired);
                 }
-                let (answer, pass) = lock.release(now).await;
+                let (answer, held, pass) = lock.release(now).await;
                 match answer {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
                         held.mark_lost(LossCause::Taken);

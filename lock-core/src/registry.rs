@@ -305,6 +305,17 @@ impl Registry {
         Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
     }
 
+    /// As [`take_for_release`](Self::take_for_release), for a lock whose
+    /// call was dropped: its record is marked ended once it is taken out.
+    /// (A lock already taken out was lost, or released by shutdown, which
+    /// marked its record lost.)
+    pub(crate) fn take_ended_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
+        let held = self.take_owed(id)?;
+        held.mark_ended();
+        self.changed.notify_waiters();
+        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
+    }
+
     /// Takes a lock out, its release counted as owed from now on; those
     /// waiting for the registry to change are not told yet.
     fn take_owed(&self, id: u64) -> Option<Arc<HeldLock>> {
