@@ -272,11 +272,7 @@ impl Locker {
         // [A6] The key's gate: its pass, or a place in line if another task
         // of this locker holds or tries the key. The gate shares the key's
         // string with the call.
-        let entered = inner.gates.enter(key);
-        let key = match &entered {
-            Ok(pass) => Arc::clone(pass.key()),
-            Err(place) => Arc::clone(place.key()),
-        };
+        let (key, entered) = inner.gates.enter(key);
         let key = &key;
         // Not even made when nobody listens: its fields cost, and so does
         // dropping an empty span.

@@ -48,10 +48,7 @@ impl Table {
     /// Passes the gate of `key` to its next waiter; with none left, the
     /// gate goes idle, or away beyond [`KEPT_IDLE`] idle ones.
     fn hand_over(&mut self, key: &GateKey, spare: Option<Arc<HeldLock>>) {
-        let Ok(mut entry) = self
-            .gates
-            .find_entry(key.hash, |g| Arc::ptr_eq(&g.key, &key.key))
-        else {
+        let Ok(mut entry) = self.gates.find_entry(key.hash, |g| key.is(&g.key)) else {
             return;
         };
         let gate = entry.get_mut();
@@ -76,11 +73,28 @@ impl Table {
     }
 }
 
-/// A key with its hash, held by a pass or a place in line.
-#[derive(Clone)]
+/// A gate's key as a pass or a place in line knows it: its hash, and the
+/// address of the gate's shared string. A gate is kept while a pass or a
+/// place for it exists, so no other gate's string can be at that address
+/// meanwhile; the caller holds the string itself (one count moved per
+/// call, not two).
+#[derive(Clone, Copy)]
 pub(crate) struct GateKey {
     hash: u64,
-    key: Arc<str>,
+    at: usize,
+}
+
+impl GateKey {
+    fn of(hash: u64, key: &Arc<str>) -> Self {
+        Self {
+            hash,
+            at: Arc::as_ptr(key).cast::<u8>().addr(),
+        }
+    }
+
+    fn is(&self, key: &Arc<str>) -> bool {
+        Arc::as_ptr(key).cast::<u8>().addr() == self.at
+    }
 }
 
 #[derive(Default)]
@@ -94,9 +108,10 @@ impl Gates {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes the pass of `key` at once, or queues for it. Either holds the
-    /// key as a shared string, for the call to use.
-    pub(crate) fn enter(&self, key: &str) -> Result<GatePass<'_>, GateWait<'_>> {
+    /// Takes the pass of `key` at once, or queues for it; with the key as
+    /// the gate's shared string, for the call to use.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn enter(&self, key: &str) -> (Arc<str>, Result<GatePass<'_>, GateWait<'_>>) {
         let hash = self.hasher.hash_one(key);
         let mut table = self.lock();
         let Table { gates, idle } = &mut *table;
@@ -104,26 +119,22 @@ impl Gates {
             Some(gate) if gate.busy => {
                 let (tx, rx) = oneshot::channel();
                 gate.waiters.push_back(tx);
-                return Err(GateWait {
+                let place = GateWait {
                     rx: Some(rx),
                     gates: self,
-                    key: GateKey {
-                        hash,
-                        key: Arc::clone(&gate.key),
-                    },
-                });
+                    key: GateKey::of(hash, &gate.key),
+                };
+                return (Arc::clone(&gate.key), Err(place));
             }
             Some(gate) => {
                 gate.busy = true;
                 *idle -= 1;
-                return Ok(GatePass {
+                let pass = GatePass {
                     gates: self,
-                    key: GateKey {
-                        hash,
-                        key: Arc::clone(&gate.key),
-                    },
+                    key: GateKey::of(hash, &gate.key),
                     spare: gate.spare.take(),
-                });
+                };
+                return (Arc::clone(&gate.key), Ok(pass));
             }
             None => {
                 let key: Arc<str> = key.into();
@@ -138,11 +149,12 @@ impl Gates {
                 key
             }
         };
-        Ok(GatePass {
+        let pass = GatePass {
             gates: self,
-            key: GateKey { hash, key },
+            key: GateKey::of(hash, &key),
             spare: None,
-        })
+        };
+        (key, Ok(pass))
     }
 
     #[cfg(test)]
@@ -162,11 +174,6 @@ pub(crate) struct GatePass<'a> {
 }
 
 impl GatePass<'_> {
-    /// The key, as a string shared with its gate.
-    pub(crate) fn key(&self) -> &Arc<str> {
-        &self.key.key
-    }
-
     /// The record of the key's last lock, if the gate kept one: nobody
     /// else holds it.
     pub(crate) fn take_spare(&mut self) -> Option<Arc<HeldLock>> {
@@ -177,7 +184,7 @@ impl GatePass<'_> {
     /// dropped, if nobody else holds it by then (a clone kept by a
     /// callback's context, say, keeps it from being used again).
     pub(crate) fn keep_spare(&mut self, held: Arc<HeldLock>) {
-        if Arc::strong_count(&held) == 1 && Arc::ptr_eq(held.lease.key_arc(), &self.key.key) {
+        if Arc::strong_count(&held) == 1 && self.key.is(held.lease.key_arc()) {
             self.spare = Some(held);
         }
     }
@@ -198,11 +205,6 @@ pub(crate) struct GateWait<'a> {
 }
 
 impl<'a> GateWait<'a> {
-    /// The key, as a string shared with its gate.
-    pub(crate) fn key(&self) -> &Arc<str> {
-        &self.key.key
-    }
-
     /// Resolves when the pass reaches this place.
     ///
     /// # Cancel safety
@@ -218,7 +220,7 @@ impl<'a> GateWait<'a> {
         }
         GatePass {
             gates: self.gates,
-            key: self.key.clone(),
+            key: self.key,
             spare: None,
         }
     }
@@ -245,10 +247,10 @@ mod tests {
     #[tokio::test]
     async fn passes_go_in_arrival_order_and_skip_dropped_places() {
         let gates = Gates::default();
-        let first = gates.enter("k").ok().unwrap();
-        let mut second = gates.enter("k").err().unwrap();
-        let third = gates.enter("k").err().unwrap();
-        let mut fourth = gates.enter("k").err().unwrap();
+        let first = gates.enter("k").1.ok().unwrap();
+        let mut second = gates.enter("k").1.err().unwrap();
+        let third = gates.enter("k").1.err().unwrap();
+        let mut fourth = gates.enter("k").1.err().unwrap();
         drop(third);
         drop(first);
         let pass2 = tokio::time::timeout(Duration::from_secs(1), second.wait())
@@ -272,9 +274,9 @@ mod tests {
     #[tokio::test]
     async fn a_pass_that_reached_a_dropped_waiter_moves_on() {
         let gates = Gates::default();
-        let first = gates.enter("k").ok().unwrap();
-        let second = gates.enter("k").err().unwrap();
-        let mut third = gates.enter("k").err().unwrap();
+        let first = gates.enter("k").1.ok().unwrap();
+        let second = gates.enter("k").1.err().unwrap();
+        let mut third = gates.enter("k").1.err().unwrap();
         drop(first); // the pass is now in `second`'s channel, unread
         drop(second);
         tokio::time::timeout(Duration::from_secs(1), third.wait())
@@ -285,21 +287,21 @@ mod tests {
     #[test]
     fn an_idle_gate_is_reused_with_its_key_and_kept_idle_ones_are_bounded() {
         let gates = Gates::default();
-        let first = gates.enter("k").ok().unwrap();
-        let key = Arc::clone(first.key());
+        let (key, first) = gates.enter("k");
         drop(first);
-        let again = gates.enter("k").ok().unwrap();
-        assert!(Arc::ptr_eq(again.key(), &key), "the gate's key is shared");
+        let (again_key, again) = gates.enter("k");
+        assert!(Arc::ptr_eq(&again_key, &key), "the gate's key is shared");
+        let again = again.ok().unwrap();
         assert_eq!(gates.len(), (1, 0));
         drop(again);
 
         for i in 0..KEPT_IDLE + 10 {
-            drop(gates.enter(&format!("k{i}")).ok().unwrap());
+            drop(gates.enter(&format!("k{i}")).1.ok().unwrap());
         }
         assert_eq!(gates.len(), (KEPT_IDLE, KEPT_IDLE));
         // A busy gate is never dropped while idle ones are bounded.
-        let held = gates.enter("k0").ok().unwrap();
-        let waiting = gates.enter("k0").err().unwrap();
+        let held = gates.enter("k0").1.ok().unwrap();
+        let waiting = gates.enter("k0").1.err().unwrap();
         assert_eq!(gates.len(), (KEPT_IDLE, KEPT_IDLE - 1));
         drop(waiting);
         drop(held);
