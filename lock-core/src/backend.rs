@@ -426,6 +426,10 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// [`try_acquire_now`](Self::try_acquire_now): `now` is the driver's
     /// clock when it let go of the lock. The default, `None`, makes the
     /// driver call `release`.
+    ///
+    /// The driver calls it with its record of the locker's locks locked, so
+    /// that the lock leaves the record and the store as one step: it must
+    /// not call back into the [`Locker`](crate::Locker).
     fn release_now(
         &self,
         lease: &Lease,

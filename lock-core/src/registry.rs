@@ -325,11 +325,11 @@ impl Registry {
         Some(held)
     }
 
-    /// Takes a lock out to release it, counted as owed (`None` as
-    /// [`take_for_release`](Self::take_for_release)), and sends the release
+    /// Takes a lock out to release it (`None` as
+    /// [`take_for_release`](Self::take_for_release)) and sends the release
     /// to a backend that answers at once: then the answer, settled. Else
-    /// the release still owed, with the failed answer if there was one (to
-    /// hand to [`OwedRelease::send_until`]).
+    /// the release, owed from now on, with the failed answer if there was
+    /// one (to hand to [`OwedRelease::send_until`]).
     #[allow(clippy::type_complexity)]
     pub(crate) fn release_at_once(
         self: &Arc<Self>,
@@ -337,17 +337,25 @@ impl Registry {
         now: Instant,
     ) -> Option<Result<Result<ReleaseOutcome, BackendError>, (OwedRelease, Option<BackendError>)>>
     {
-        let held = self.take_owed(id)?;
-        // Those waiting for the registry to change are told once the
-        // release settled (or below, once it is known to be owed on).
-        match self.backend.release_now(&held.lease, now) {
+        let mut s = self.lock();
+        let held = s.remove(id)?;
+        // Under the registry's lock (the backend answers at once, and
+        // calls nothing of the locker's): the lock leaves the registry and
+        // the store in one step, and shutdown never sees it gone from both
+        // the held locks and the owed releases while its release runs.
+        let answer = self.backend.release_now(&held.lease, now);
+        let settled = matches!(answer, Some(Ok(_)));
+        if !settled {
+            s.owed += 1;
+        }
+        drop(s);
+        self.changed.notify_waiters();
+        match answer {
             Some(Ok(outcome)) => {
                 tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
-                self.release_settled(true);
                 Some(Ok(Ok(outcome)))
             }
             answer => {
-                self.changed.notify_waiters();
                 let owed = OwedRelease::new(Arc::clone(self), held.lease.clone());
                 Some(Err((owed, answer.and_then(Result::err))))
             }
