@@ -211,7 +211,9 @@ pub(crate) struct Registry {
     state: Mutex<State>,
     /// Wakes the extender when the schedule changed or the registry closed.
     pub(crate) wake: Arc<Notify>,
-    /// Wakes shutdown when the callbacks or the owed releases changed.
+    /// Wakes shutdown when the callbacks or the owed releases changed. Every
+    /// change is made under `state`'s lock, and every waiter's condition
+    /// reads it under that lock.
     changed: Signal,
     pub(crate) backend: Arc<DynLockBackend>,
     pub(crate) max_batch: usize,
@@ -292,7 +294,7 @@ impl Registry {
     /// Takes a lock out that was lost: no release is owed for it.
     pub(crate) fn forget(&self, id: u64) -> Option<Arc<HeldLock>> {
         let held = self.lock().remove(id)?;
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
         Some(held)
     }
 
@@ -301,7 +303,7 @@ impl Registry {
     /// returned value is sent and answered, or dropped.
     pub(crate) fn take_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
         let held = self.take_owed(id)?;
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
         Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
     }
 
@@ -312,7 +314,7 @@ impl Registry {
     pub(crate) fn take_ended_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
         let held = self.take_owed(id)?;
         held.mark_ended();
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
         Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
     }
 
@@ -349,7 +351,7 @@ impl Registry {
             s.owed += 1;
         }
         drop(s);
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
         match answer {
             Some(Ok(outcome)) => {
                 tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
@@ -378,13 +380,13 @@ impl Registry {
             s.failed_while_closing += 1;
         }
         drop(s);
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
     }
 
     /// Wakes whoever waits in [`wait_until`](Self::wait_until), after a
     /// change made through [`lock`](Self::lock).
     pub(crate) fn notify_changed(&self) {
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
     }
 
     /// How many locks are held, by callbacks and handles.
@@ -433,7 +435,7 @@ impl Registry {
         let drained: Vec<Arc<HeldLock>> = s.entries.drain().into_iter().map(|e| e.held).collect();
         s.owed += drained.len();
         drop(s);
-        self.changed.notify_waiters();
+        self.changed.notify_waiters_after_locked_change();
         self.wake.notify_one();
         drained
             .into_iter()

@@ -94,6 +94,17 @@ impl Signal {
         }
     }
 
+    /// As [`notify_waiters`](Self::notify_waiters), after a change made
+    /// under a mutex that every waiter's condition also takes: then a load
+    /// is enough. A waiter counted itself before its check took the mutex;
+    /// if that check ran before the change, the mutex orders its count
+    /// before this load, which sees it; if after, the check saw the change.
+    pub(crate) fn notify_waiters_after_locked_change(&self) {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            self.notify.notify_waiters();
+        }
+    }
+
     /// Resolves with the first `Some` that `check` gives, checked now and
     /// after every notification.
     ///
