@@ -8,6 +8,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use deadpool_redis::{Pool, PoolError, Runtime};
+use futures_util::FutureExt;
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
     ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
@@ -323,30 +324,33 @@ impl RedisBackend {
     }
 
     /// Runs `work` within the command timeout.
-    async fn bounded<T>(
-        &self,
+    fn bounded<'a, T: 'a>(
+        &'a self,
         step: &'static str,
-        work: impl Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
+        work: impl Future<Output = Result<T, BackendError>> + 'a,
+    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
         self.bounded_for(step, self.inner.config.step_timeout, work)
-            .await
     }
 
     /// Runs `work` within `limit`.
-    async fn bounded_for<T>(
-        &self,
+    ///
+    /// A combinator, not an `async fn`: the future of an `async fn` keeps
+    /// its arguments beside the futures it moves them into, so `work`
+    /// would be stored twice (and every step's future copied whole at each
+    /// await holds more than a kilobyte).
+    fn bounded_for<'a, T: 'a>(
+        &'a self,
         step: &'static str,
         limit: Duration,
-        work: impl Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
-        let answer = match tokio::time::timeout(limit, work).await {
-            Ok(answer) => answer,
-            Err(_) => Err(BackendError::timeout(step, limit)),
-        };
-        if let Err(error) = &answer {
-            self.forget_connection_after(error);
-        }
-        answer
+        work: impl Future<Output = Result<T, BackendError>> + 'a,
+    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
+        tokio::time::timeout(limit, work).map(move |answer| {
+            let answer = answer.unwrap_or_else(|_| Err(BackendError::timeout(step, limit)));
+            if let Err(error) = &answer {
+                self.forget_connection_after(error);
+            }
+            answer
+        })
     }
 
     /// The shared connection, taken from the pool if there is none. A
