@@ -10,8 +10,8 @@
 //! (reading and parsing it, looking up and starting the script, writing
 //! the answer) is paid once per batch. That cost is most of a lock step's,
 //! and the server is what limits many callers on one Redis: with 64 tasks
-//! on one backend, the server's CPU per lock cycle falls from about 23 µs
-//! to about 15 µs (`bench_redis p2`).
+//! on one backend, the server's CPU per lock cycle falls by a quarter to
+//! a third (`bench_redis p2`).
 //!
 //! A batch is sent by a task of its own, so a caller that is dropped while
 //! it waits changes nothing for the others; its answer is then dropped too
