@@ -96,24 +96,15 @@ impl Inner {
         answer
     }
 
-    /// The record of a callback's lock just taken: `renewed`, the key's
-    /// spare record already renewed in place, or else a new one under the
-    /// `fresh` owner token.
+    /// A new record of a callback's lock just taken under `owner`.
     fn record(
         &self,
         key: &Arc<str>,
-        fresh: Option<OwnerToken>,
-        renewed: Option<Arc<HeldLock>>,
+        owner: OwnerToken,
         fencing_token: u64,
         ttl: Duration,
         sent_at: Instant,
     ) -> Arc<HeldLock> {
-        let owner = match (renewed, fresh) {
-            (Some(record), _) => return record,
-            (None, Some(owner)) => owner,
-            // Not reached: the token came from one or the other.
-            (None, None) => OwnerToken::draw(&self.node_id),
-        };
         let lease = Lease::new(Arc::clone(key), owner, fencing_token);
         let meter = self.registry.meter.clone();
         Arc::new(HeldLock::new(
@@ -178,6 +169,13 @@ impl Inner {
             }
         }
     }
+}
+
+/// The owner token of an attempt: that of the key's spare record, which
+/// nobody else holds, or a new one.
+enum Token<'r> {
+    Spare(&'r mut HeldLock),
+    Fresh(OwnerToken),
 }
 
 /// A lock held for a callback, with the key's pass. Dropping it releases
@@ -329,22 +327,19 @@ impl Locker {
                     return never().await;
                 }
                 // A new owner token for each attempt: the spare record's,
-                // redrawn (in place unless a clone of it was kept), or
-                // a new one.
-                // The spare record, if nobody else holds it, is renewed for
-                // the lock taken.
-                let mut reused = spare.as_mut().and_then(Arc::get_mut);
-                let fresh = match &mut reused {
+                // redrawn (in place unless a clone of it was kept), when
+                // nobody else holds the record, which is then renewed for
+                // the lock taken; else a new one.
+                let token = match spare.as_mut().and_then(Arc::get_mut) {
                     Some(record) => {
                         record.lease.owner_mut().redraw(&inner.node_id);
-                        None
+                        Token::Spare(record)
                     }
-                    None => Some(OwnerToken::draw(&inner.node_id)),
+                    None => Token::Fresh(OwnerToken::draw(&inner.node_id)),
                 };
-                let owner = match (&reused, &fresh) {
-                    (Some(record), _) => record.lease.owner(),
-                    (None, Some(owner)) => owner,
-                    (None, None) => unreachable!("a token is drawn when no record is reused"),
+                let owner = match &token {
+                    Token::Spare(record) => record.lease.owner(),
+                    Token::Fresh(owner) => owner,
                 };
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
@@ -355,17 +350,18 @@ impl Locker {
                 }
                 let busy = match answer {
                     Ok(AcquireOutcome::Acquired { fencing_token }) => {
-                        let renewed = reused.map(|record| {
-                            record.renew(fencing_token, config.ttl, sent_at, Holder::Callback);
-                        });
-                        let held = inner.record(
-                            key,
-                            fresh,
-                            renewed.and_then(|()| spare.take()),
-                            fencing_token,
-                            config.ttl,
-                            sent_at,
-                        );
+                        let new_record =
+                            |owner| inner.record(key, owner, fencing_token, config.ttl, sent_at);
+                        let held = match token {
+                            Token::Spare(record) => {
+                                record.renew(fencing_token, config.ttl, sent_at, Holder::Callback);
+                                // Not `None`: the record renewed is the spare.
+                                spare
+                                    .take()
+                                    .unwrap_or_else(|| new_record(OwnerToken::draw(&inner.node_id)))
+                            }
+                            Token::Fresh(owner) => new_record(owner),
+                        };
                         match inner.hold_record(held, sent_at, at_once).await {
                             Ok((id, held)) => {
                                 return Ok(Holding {
