@@ -84,17 +84,26 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let status = (!args.quiet && std::io::stderr().is_terminal())
         .then(|| status_line(store.clone(), args.key.clone(), Arc::clone(&shared)));
     let waited = Instant::now();
+    // `--wait`: the end of the wait, past which a call still waiting gives
+    // up (one that runs the command goes on). None once it passed.
+    let mut gives_up_at = args.wait.filter(|w| !w.is_zero()).map(|w| waited + w);
     let mut call = Box::pin(locker.with_lock_config(&args.key, &config, callback));
     let result = loop {
         tokio::select! {
             biased;
-            result = &mut call => break Ok(result),
+            result = &mut call => break Ended::Call(result),
             signal = signals.next() => {
                 let phase = shared.lock().phase;
                 match phase {
-                    Phase::Waiting => break Err(signal),
+                    Phase::Waiting => break Ended::Signal(signal),
                     Phase::Running(group) => signal_group(group, signal),
                     Phase::Finished => {}
+                }
+            }
+            () = tokio::time::sleep_until(gives_up_at.unwrap_or(waited)), if gives_up_at.is_some() => {
+                gives_up_at = None;
+                if shared.lock().phase == Phase::Waiting {
+                    break Ended::WaitOver;
                 }
             }
         }
@@ -107,21 +116,22 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     shared.lock().clear_line();
 
     let code = match result {
-        Err(signal) => {
+        Ended::WaitOver => Err(wait_over(&store, &args.key, waited).await),
+        Ended::Signal(signal) => {
             eprintln!(
                 "withlock: got {signal} while waiting for {:?}; the command did not run",
                 args.key
             );
             Ok(exit::signalled(signal as i32))
         }
-        Ok(Ok(())) => match done_rx.try_recv() {
+        Ended::Call(Ok(())) => match done_rx.try_recv() {
             Ok(outcome) => Ok(held_throughout(outcome)),
             Err(_) => Err(Failure::new(
                 exit::SOFTWARE,
                 "the command's outcome was lost",
             )),
         },
-        Ok(Err(LockError::Lost { key, cause })) => {
+        Ended::Call(Err(LockError::Lost { key, cause })) => {
             // The callback goes on in the background, terminating the
             // command; signals still reach the command meanwhile.
             let outcome = loop {
@@ -148,10 +158,57 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
             );
             Ok(exit::LOST)
         }
-        Ok(Err(error)) => Err(not_run(&store, &args.key, &error, waited).await),
+        Ended::Call(Err(error)) => Err(not_run(&store, &args.key, &error, waited).await),
     };
     locker.shutdown(SHUTDOWN_GRACE).await;
     code
+}
+
+/// How the wait for the lock ended.
+enum Ended {
+    /// The call settled.
+    Call(Result<(), LockError>),
+    /// A signal came while the call waited for the lock.
+    Signal(nix::sys::signal::Signal),
+    /// `--wait` ran out while the call waited for the lock.
+    WaitOver,
+}
+
+/// Why the command never ran when `--wait` ran out: the key is busy, or
+/// the store cannot say who holds it.
+async fn wait_over(store: &Store, key: &str, waited: Instant) -> Failure {
+    match tokio::time::timeout(Duration::from_secs(1), store.inspect(key)).await {
+        Ok(Ok(view)) => busy(key, view.node_id(), waited),
+        Ok(Err(error)) => Failure::new(
+            exit::UNAVAILABLE,
+            format!(
+                "could not take the lock on {key:?}: {} failed: {}; the command did not run",
+                store.name(),
+                Chain(&error)
+            ),
+        ),
+        Err(_) => Failure::new(
+            exit::UNAVAILABLE,
+            format!(
+                "could not take the lock on {key:?}: {} did not answer; the command did not run",
+                store.name()
+            ),
+        ),
+    }
+}
+
+/// The key was found held until the caller gave up after `waited`.
+fn busy(key: &str, holder: Option<&str>, waited: Instant) -> Failure {
+    let holder = holder
+        .map(|node| format!(" (held by {node})"))
+        .unwrap_or_default();
+    Failure::new(
+        exit::BUSY,
+        format!(
+            "{key:?} is busy{holder}; gave up after {}; the command did not run",
+            ttl_text(waited.elapsed())
+        ),
+    )
 }
 
 /// A failure before the command could start, saying so.
@@ -195,21 +252,12 @@ fn held_throughout(outcome: Outcome) -> u8 {
 async fn not_run(store: &Store, key: &str, error: &LockError, waited: Instant) -> Failure {
     match error {
         LockError::NotAcquired { source: None, .. } => {
-            let holder = match tokio::time::timeout(Duration::from_secs(1), store.inspect(key)).await
-            {
-                Ok(Ok(view)) => match view.node_id() {
-                    Some(node) => format!(" (held by {node})"),
-                    None => String::new(),
-                },
-                _ => String::new(),
+            let view = tokio::time::timeout(Duration::from_secs(1), store.inspect(key)).await;
+            let holder = match &view {
+                Ok(Ok(view)) => view.node_id(),
+                _ => None,
             };
-            Failure::new(
-                exit::BUSY,
-                format!(
-                    "{key:?} is busy{holder}; gave up after {}; the command did not run",
-                    ttl_text(waited.elapsed())
-                ),
-            )
+            busy(key, holder, waited)
         }
         LockError::NotAcquired {
             attempts,
@@ -236,8 +284,12 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
     } else if args.wait_forever {
         config = config.wait_forever();
     } else if let Some(wait) = args.wait {
-        // As many retries, `retry_delay` apart, as fit in the wait.
-        let retries = wait.as_nanos().div_ceil(config.retry_delay.as_nanos());
+        // Enough retries to last the whole wait however the jitter falls
+        // (as many as fit at the shortest jittered delay); `run` gives up
+        // at the end of the wait, so that the wait is the one asked for,
+        // not the sum of the delays drawn.
+        let shortest = config.retry_delay.saturating_sub(config.retry_jitter);
+        let retries = wait.as_nanos().div_ceil(shortest.as_nanos().max(1));
         config = config.retry_attempts(u32::try_from(retries).unwrap_or(u32::MAX));
     }
     config
@@ -354,13 +406,15 @@ mod tests {
             config_of(&["--wait-forever"]).unwrap().retry_attempts,
             RetryAttempts::Unlimited
         );
+        // Enough retries for the whole wait at the shortest jittered
+        // delay (200 ms less 100 ms of jitter); `run` ends the wait.
         assert_eq!(
             config_of(&["--wait", "2s"]).unwrap().retry_attempts,
-            RetryAttempts::Limited(10)
+            RetryAttempts::Limited(20)
         );
         assert_eq!(
             config_of(&["--wait", "250ms"]).unwrap().retry_attempts,
-            RetryAttempts::Limited(2)
+            RetryAttempts::Limited(3)
         );
         assert_eq!(
             config_of(&["--wait", "0s"]).unwrap().retry_attempts,

@@ -5,21 +5,25 @@ mod common;
 use common::{code, finish, stderr, withlock, Scratch};
 
 async fn unreachable(url: &str) {
-    let scratch = Scratch::new();
-    let ran = scratch.path("ran").display().to_string();
-    let output = finish(&mut withlock([
-        "run", "--url", url, "--key", "k", "--", "touch", &ran,
-    ]))
-    .await;
-    assert_eq!(code(&output), 69, "{}", stderr(&output));
-    assert!(!scratch.path("ran").exists(), "the command ran");
-    let message = stderr(&output);
-    assert_eq!(message.lines().count(), 1, "{message}");
-    assert!(message.contains("did not run"), "{message}");
-    assert!(
-        !message.contains("hunter2"),
-        "the password leaked: {message}"
-    );
+    // With the default wait the retries run out; with `--wait` the wait
+    // does, and the store is asked once more who holds the key.
+    for wait in [&[][..], &["--wait", "1s"][..]] {
+        let scratch = Scratch::new();
+        let ran = scratch.path("ran").display().to_string();
+        let mut args = vec!["run", "--url", url, "--key", "k"];
+        args.extend_from_slice(wait);
+        args.extend_from_slice(&["--", "touch", &ran]);
+        let output = finish(&mut withlock(args)).await;
+        assert_eq!(code(&output), 69, "{wait:?}: {}", stderr(&output));
+        assert!(!scratch.path("ran").exists(), "the command ran");
+        let message = stderr(&output);
+        assert_eq!(message.lines().count(), 1, "{message}");
+        assert!(message.contains("did not run"), "{message}");
+        assert!(
+            !message.contains("hunter2"),
+            "the password leaked: {message}"
+        );
+    }
 }
 
 #[tokio::test]
