@@ -162,6 +162,15 @@ impl OwnerToken {
         }
     }
 
+    /// Whether `value` is in the owner-token format, `<node id>/<32 hex>`
+    /// with a non-empty node id: what every withlock node (and every
+    /// client of the same wire format) writes as a lock's value.
+    pub fn is_well_formed(value: &str) -> bool {
+        value.rsplit_once('/').is_some_and(|(node, bits)| {
+            !node.is_empty() && bits.len() == 32 && bits.bytes().all(|b| b.is_ascii_hexdigit())
+        })
+    }
+
     /// The node id part of the value.
     pub fn node_id(&self) -> &str {
         match &*self.0 {

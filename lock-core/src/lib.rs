@@ -47,6 +47,7 @@
 //! metric's labels and meaning.
 
 mod acquire;
+mod admin;
 mod backend;
 mod config;
 mod context;
@@ -64,6 +65,7 @@ mod release;
 mod shutdown;
 mod task;
 
+pub use admin::{AdminError, LockAdmin, LockInfo};
 pub use backend::{
     AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest, Lease, LockBackend,
     OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
