@@ -408,13 +408,19 @@ impl LockBackend for IntruderBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         if self.armed.swap(false, Ordering::SeqCst) {
             for request in requests {
-                self.steal(&request.lease, request.ttl).await?;
+                if let Err(error) = self.steal(&request.lease, request.ttl).await {
+                    return vec![Err(error); requests.len()];
+                }
             }
         }
         self.inner.extend_many(requests).await
+    }
+
+    fn failure_domain(&self, key: &str) -> u64 {
+        self.inner.failure_domain(key)
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

@@ -127,12 +127,16 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         self.count(Step::Extend);
         self.counts
             .extended_leases
             .fetch_add(requests.len() as u64, Ordering::SeqCst);
         self.inner.extend_many(requests).await
+    }
+
+    fn failure_domain(&self, key: &str) -> u64 {
+        self.inner.failure_domain(key)
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

@@ -58,6 +58,8 @@ struct Faults {
     late_answers: Mutex<[(u32, Duration); STEPS]>,
     skip_extensions: AtomicBool,
     stolen: Mutex<HashSet<String>>,
+    failing_extensions: Mutex<HashSet<String>>,
+    hung_extensions: Mutex<HashSet<String>>,
     hub: ReleaseHub,
 }
 
@@ -151,16 +153,22 @@ impl<B: LockBackend> FaultInjector<B> {
     /// Makes `key` look held by another owner: its extensions answer
     /// `Taken` and its releases `NotHeld`, without reaching the store.
     pub fn look_stolen(&self, key: &str, on: bool) {
-        let mut stolen = self
-            .faults
-            .stolen
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if on {
-            stolen.insert(key.to_owned());
-        } else {
-            stolen.remove(key);
-        }
+        set_member(&self.faults.stolen, key, on);
+    }
+
+    /// Fails the extensions of `key` with [`InjectedFault`] while the other
+    /// leases of the same `extend_many` call go on to the store and get
+    /// their own answers, as when one server of a cluster fails \[L4\].
+    pub fn fail_extensions_of(&self, key: &str, on: bool) {
+        set_member(&self.faults.failing_extensions, key, on);
+    }
+
+    /// Puts `key` on a server of its own that hangs: its leases get a
+    /// [`failure_domain`](LockBackend::failure_domain) of their own, and an
+    /// `extend_many` call carrying them never answers \[L4\] (calls already
+    /// hanging stay hung when turned off).
+    pub fn hang_extensions_of(&self, key: &str, on: bool) {
+        set_member(&self.faults.hung_extensions, key, on);
     }
 
     /// Wakes the watches on `key` without any release: a spurious
@@ -170,11 +178,7 @@ impl<B: LockBackend> FaultInjector<B> {
     }
 
     fn is_stolen(&self, key: &str) -> bool {
-        self.faults
-            .stolen
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains(key)
+        is_member(&self.faults.stolen, key)
     }
 
     async fn enter(&self, step: Step) -> Result<(), BackendError> {
@@ -238,6 +242,21 @@ impl<B> FaultInjector<B> {
     }
 }
 
+fn set_member(set: &Mutex<HashSet<String>>, key: &str, on: bool) {
+    let mut set = set.lock().unwrap_or_else(PoisonError::into_inner);
+    if on {
+        set.insert(key.to_owned());
+    } else {
+        set.remove(key);
+    }
+}
+
+fn is_member(set: &Mutex<HashSet<String>>, key: &str) -> bool {
+    set.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains(key)
+}
+
 impl<B: fmt::Debug> fmt::Debug for FaultInjector<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FaultInjector")
@@ -280,18 +299,52 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
-        self.enter(Step::Extend).await?;
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
+        if let Err(error) = self.enter(Step::Extend).await {
+            return vec![Err(error); requests.len()];
+        }
         if self.faults.skip_extensions.load(Ordering::SeqCst) {
-            return Ok(vec![ExtendOutcome::Extended; requests.len()]);
+            return vec![Ok(ExtendOutcome::Extended); requests.len()];
         }
-        let mut outcomes = self.inner.extend_many(requests).await?;
-        for (outcome, request) in outcomes.iter_mut().zip(requests) {
-            if self.is_stolen(request.lease.key()) {
-                *outcome = ExtendOutcome::Taken;
-            }
+        if requests
+            .iter()
+            .any(|r| is_member(&self.faults.hung_extensions, r.lease.key()))
+        {
+            std::future::pending::<()>().await;
         }
-        Ok(outcomes)
+        let failing = |r: &ExtendRequest| is_member(&self.faults.failing_extensions, r.lease.key());
+        let sent: Vec<ExtendRequest> = requests.iter().filter(|r| !failing(r)).cloned().collect();
+        let mut answers = self.inner.extend_many(&sent).await.into_iter();
+        requests
+            .iter()
+            .map(|request| {
+                if failing(request) {
+                    return Err(BackendError::new(
+                        BackendErrorKind::Request,
+                        InjectedFault(Step::Extend),
+                    ));
+                }
+                let answer = answers.next().unwrap_or_else(|| {
+                    Err(BackendError::message(
+                        BackendErrorKind::Protocol,
+                        "the wrapped backend gave too few answers",
+                    ))
+                });
+                if self.is_stolen(request.lease.key()) {
+                    return Ok(ExtendOutcome::Taken);
+                }
+                answer
+            })
+            .collect()
+    }
+
+    fn failure_domain(&self, key: &str) -> u64 {
+        if is_member(&self.faults.hung_extensions, key) {
+            // The hung server's.
+            u64::MAX
+        } else {
+            self.inner.failure_domain(key)
+        }
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

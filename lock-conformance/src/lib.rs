@@ -106,6 +106,8 @@ macro_rules! __with_cases {
             l1_expired_key_is_lost_at_next_extension,
             l1_taken_key_is_lost_at_next_extension,
             l2_extension_errors_retry_then_lose,
+            l4_batch_errors_touch_only_their_leases,
+            l4_hung_leases_hold_up_only_themselves,
             l3_detached_callback_runs_on_and_sees_loss,
             l3_cancel_on_loss_drops_borrowing_callback,
             r1_reentrant_call_runs_without_round_trip,

@@ -81,11 +81,15 @@ impl LockBackend for ToyBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
-        Ok(requests
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
+        requests
             .iter()
-            .map(|r| self.extend_one(&r.lease, r.ttl))
-            .collect())
+            .map(|r| Ok(self.extend_one(&r.lease, r.ttl)))
+            .collect()
+    }
+
+    fn failure_domain(&self, _key: &str) -> u64 {
+        0
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

@@ -277,6 +277,27 @@ pub struct ExtendRequest {
     pub ttl: Duration,
 }
 
+/// The results of a batch that one server answered as a whole, in the form
+/// [`LockBackend::extend_many`] gives: each lease its own outcome, or, when
+/// the round trip failed, every lease the batch's error. An answer with
+/// another count of outcomes than `len` is a protocol error for every lease.
+pub fn batch_results(
+    len: usize,
+    answer: Result<Vec<ExtendOutcome>, BackendError>,
+) -> Vec<Result<ExtendOutcome, BackendError>> {
+    match answer {
+        Ok(outcomes) if outcomes.len() == len => outcomes.into_iter().map(Ok).collect(),
+        Ok(outcomes) => {
+            let error = BackendError::message(
+                crate::error::BackendErrorKind::Protocol,
+                format!("{} outcomes for {len} extensions", outcomes.len()),
+            );
+            vec![Err(error); len]
+        }
+        Err(error) => vec![Err(error); len],
+    }
+}
+
 /// What a backend can do beyond the required steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -403,12 +424,25 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError>;
 
     /// Extends many leases of this node, in one round trip where the store
-    /// allows it. Returns one outcome per request, in order. The driver sends
-    /// at most [`Capabilities::max_extend_batch`] requests per call.
+    /// allows it. Returns one result per request, in order \[L4\]: a lease
+    /// whose server failed gets that error, and the others their own
+    /// outcomes, so a failure on one server never makes a lease on another
+    /// look lost. The driver sends at most
+    /// [`Capabilities::max_extend_batch`] requests per call, all of one
+    /// [`failure_domain`](Self::failure_domain).
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError>;
+    ) -> Vec<Result<ExtendOutcome, BackendError>>;
+
+    /// The server that answers for `key`, as a number: the driver never
+    /// puts leases of two domains into one
+    /// [`extend_many`](Self::extend_many) call, so one hung server delays
+    /// only the leases it holds \[L4\]. A backend on one server returns
+    /// `0` for every key; a clustered one, say, the identity of the master
+    /// that serves the key's slot, as it knows it now (a stale answer costs
+    /// one more round trip, never a wrong result).
+    fn failure_domain(&self, key: &str) -> u64;
 
     /// Frees the key of `lease`, if it still holds it.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError>;
@@ -508,10 +542,15 @@ macro_rules! forward_lock_backend {
             async fn extend_many(
                 &self,
                 requests: &[$crate::ExtendRequest],
-            ) -> ::std::result::Result<::std::vec::Vec<$crate::ExtendOutcome>, $crate::BackendError>
+            ) -> ::std::vec::Vec<::std::result::Result<$crate::ExtendOutcome, $crate::BackendError>>
             {
                 let $this = self;
                 $crate::LockBackend::extend_many($inner, requests).await
+            }
+
+            fn failure_domain(&self, key: &str) -> u64 {
+                let $this = self;
+                $crate::LockBackend::failure_domain($inner, key)
             }
 
             async fn release(

@@ -91,14 +91,22 @@ struct Batch {
     deadline: Option<Instant>,
 }
 
-/// Takes the locks due now, as batches, declares lost those whose validity
-/// ran out before an extension could be sent, and says when to wake next.
+impl Batch {
+    fn push(&mut self, id: u64, request: ExtendRequest, valid_until: Instant) {
+        self.deadline = Some(self.deadline.map_or(valid_until, |d| d.min(valid_until)));
+        self.ids.push(id);
+        self.requests.push(request);
+    }
+}
+
+/// Takes the locks due now, as batches of one failure domain each \[L4\],
+/// declares lost those whose validity ran out before an extension could be
+/// sent, and says when to wake next.
 fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) {
     let mut s = registry.lock();
     s.schedule_taken();
-    let mut batches = Vec::new();
+    let mut due_now = Vec::new();
     let mut lost = Vec::new();
-    let mut current = Batch::default();
     while let Some(&(due, id)) = s.schedule.first() {
         let Some(e) = s.entries.get(&id) else {
             s.schedule.pop_first();
@@ -129,15 +137,7 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
         if let Some(e) = s.entries.get_mut(&id) {
             e.due = None;
         }
-        current.deadline = Some(current.deadline.map_or(valid_until, |d| d.min(valid_until)));
-        current.ids.push(id);
-        current.requests.push(request);
-        if current.ids.len() == registry.max_batch {
-            batches.push(std::mem::take(&mut current));
-        }
-    }
-    if !current.ids.is_empty() {
-        batches.push(current);
+        due_now.push((id, request, valid_until));
     }
     // With nothing to extend right after locks were taken (most are
     // released before a first extension), look again in a quarter of a
@@ -158,7 +158,37 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
     for (held, cause) in lost {
         lose(registry, &held, cause, now);
     }
-    (batches, next)
+    (batches(registry, due_now), next)
+}
+
+/// Groups the leases due into batches of at most the backend's batch size,
+/// each of one failure domain, so that a hung server holds up only the
+/// leases it holds \[L4\]. Asked outside the registry's lock: the
+/// backend's answer may take its own locks.
+fn batches(registry: &Registry, due: Vec<(u64, ExtendRequest, Instant)>) -> Vec<Batch> {
+    let mut open: Vec<(u64, Batch)> = Vec::new();
+    let mut full = Vec::new();
+    for (id, request, valid_until) in due {
+        let domain = registry.backend.failure_domain(request.lease.key());
+        let i = match open.iter().position(|(d, _)| *d == domain) {
+            Some(i) => i,
+            None => {
+                open.push((domain, Batch::default()));
+                open.len() - 1
+            }
+        };
+        let batch = &mut open[i].1;
+        batch.push(id, request, valid_until);
+        if batch.ids.len() == registry.max_batch {
+            full.push(std::mem::take(batch));
+        }
+    }
+    full.extend(
+        open.into_iter()
+            .map(|(_, batch)| batch)
+            .filter(|b| !b.ids.is_empty()),
+    );
+    full
 }
 
 /// Tells the holder of a lock the extender took out that it was lost.
@@ -189,18 +219,19 @@ fn apply(
     registry: &Registry,
     batch: &Batch,
     sent_at: Instant,
-    answer: Result<Vec<ExtendOutcome>, BackendError>,
+    answers: Vec<Result<ExtendOutcome, BackendError>>,
     timed_out: bool,
 ) {
     let now = Instant::now();
     let mut s = registry.lock();
     let mut lost = Vec::new();
     let mut wake = false;
-    for (i, &id) in batch.ids.iter().enumerate() {
+    for (&id, answer) in batch.ids.iter().zip(answers) {
         let Some(e) = s.entries.get_mut(&id) else {
             continue; // released while the batch was in flight
         };
-        let result = answer.as_ref().map(|v| v[i]);
+        // Each lease's own answer \[L4\].
+        let result = answer.as_ref().copied();
         let key = e.held.lease.key_arc();
         registry.meter.extension(key, result);
         if result.is_err() {
@@ -263,24 +294,25 @@ async fn send_batch(registry: Arc<Registry>, batch: Batch) {
     let deadline = batch.deadline.unwrap_or(sent_at);
     let call = registry.backend.extend_many(&batch.requests);
     let mut timed_out = false;
-    let answer = match tokio::time::timeout_at(deadline, call).await {
-        Ok(Ok(outcomes)) if outcomes.len() == batch.requests.len() => Ok(outcomes),
-        Ok(Ok(outcomes)) => Err(BackendError::message(
-            BackendErrorKind::Protocol,
-            format!(
-                "extend_many answered {} outcomes for {} leases",
-                outcomes.len(),
-                batch.requests.len()
-            ),
-        )),
-        Ok(Err(error)) => Err(error),
+    let len = batch.requests.len();
+    let answers = match tokio::time::timeout_at(deadline, call).await {
+        Ok(answers) if answers.len() == len => answers,
+        Ok(answers) => {
+            let error = BackendError::message(
+                BackendErrorKind::Protocol,
+                format!(
+                    "extend_many answered {} results for {len} leases",
+                    answers.len()
+                ),
+            );
+            vec![Err(error); len]
+        }
         Err(_) => {
             timed_out = true;
-            Err(BackendError::timeout(
-                "extension",
-                deadline.saturating_duration_since(sent_at),
-            ))
+            let error =
+                BackendError::timeout("extension", deadline.saturating_duration_since(sent_at));
+            vec![Err(error); len]
         }
     };
-    apply(&registry, &batch, sent_at, answer, timed_out);
+    apply(&registry, &batch, sent_at, answers, timed_out);
 }

@@ -67,8 +67,8 @@ mod task;
 
 pub use admin::{AdminError, LockAdmin, LockInfo};
 pub use backend::{
-    AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest, Lease, LockBackend,
-    OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
+    batch_results, AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest,
+    Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
 };
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use context::LockContext;

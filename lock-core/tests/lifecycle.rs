@@ -122,8 +122,11 @@ impl LockBackend for Failing {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         self.inner.extend_many(requests).await
+    }
+    fn failure_domain(&self, key: &str) -> u64 {
+        self.inner.failure_domain(key)
     }
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.releases.fetch_add(1, Ordering::SeqCst);

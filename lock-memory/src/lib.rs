@@ -252,13 +252,18 @@ impl LockBackend for MemoryBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         let now = Instant::now();
         let mut state = self.lock();
-        Ok(requests
+        requests
             .iter()
-            .map(|r| Self::extend_one(&mut state, &r.lease, r.ttl, now))
-            .collect())
+            .map(|r| Ok(Self::extend_one(&mut state, &r.lease, r.ttl, now)))
+            .collect()
+    }
+
+    /// One process: one domain.
+    fn failure_domain(&self, _key: &str) -> u64 {
+        0
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

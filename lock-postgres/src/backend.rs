@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
-    MAX_KEY_LEN,
+    async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities,
+    ExtendOutcome, ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
+    ReleaseWatch, MAX_KEY_LEN,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -305,6 +305,50 @@ fn protocol(message: impl Into<String>) -> BackendError {
     BackendError::message(BackendErrorKind::Protocol, message)
 }
 
+impl PostgresBackend {
+    /// The extensions of [`LockBackend::extend_many`] in one statement.
+    async fn extend_statement(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        let keys: Vec<&str> = requests.iter().map(|r| r.lease.key()).collect();
+        let owners: Vec<&str> = requests.iter().map(|r| r.lease.owner().as_str()).collect();
+        let ttls: Vec<i64> = requests.iter().map(|r| micros(r.ttl)).collect();
+        let rows = self
+            .step("extend", |mut conn| async move {
+                sqlx::query_as::<_, (i64, i32)>(&self.inner.sql.extend)
+                    .bind(&keys)
+                    .bind(&owners)
+                    .bind(&ttls)
+                    .fetch_all(&mut *conn)
+                    .await
+            })
+            .await?;
+        if rows.len() != requests.len() {
+            return Err(protocol(format!(
+                "{} outcomes for {} extensions",
+                rows.len(),
+                requests.len()
+            )));
+        }
+        // Rows come ordered by request position (1-based).
+        rows.into_iter()
+            .enumerate()
+            .map(|(i, (ord, outcome))| {
+                if usize::try_from(ord).ok() != Some(i + 1) {
+                    return Err(protocol(format!("extension outcome {ord} out of order")));
+                }
+                match outcome {
+                    EXTENDED => Ok(ExtendOutcome::Extended),
+                    EXPIRED => Ok(ExtendOutcome::Expired),
+                    TAKEN => Ok(ExtendOutcome::Taken),
+                    other => Err(protocol(format!("unknown extension outcome {other}"))),
+                }
+            })
+            .collect()
+    }
+}
+
 impl fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the password: only the parts of the connect options that
@@ -379,7 +423,9 @@ impl LockBackend for PostgresBackend {
             lease: lease.clone(),
             ttl,
         };
-        let outcomes = self.extend_many(std::slice::from_ref(&request)).await?;
+        let outcomes = self
+            .extend_statement(std::slice::from_ref(&request))
+            .await?;
         outcomes
             .into_iter()
             .next()
@@ -389,45 +435,16 @@ impl LockBackend for PostgresBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         if requests.is_empty() {
-            return Ok(Vec::new());
+            return Vec::new();
         }
-        let keys: Vec<&str> = requests.iter().map(|r| r.lease.key()).collect();
-        let owners: Vec<&str> = requests.iter().map(|r| r.lease.owner().as_str()).collect();
-        let ttls: Vec<i64> = requests.iter().map(|r| micros(r.ttl)).collect();
-        let rows = self
-            .step("extend", |mut conn| async move {
-                sqlx::query_as::<_, (i64, i32)>(&self.inner.sql.extend)
-                    .bind(&keys)
-                    .bind(&owners)
-                    .bind(&ttls)
-                    .fetch_all(&mut *conn)
-                    .await
-            })
-            .await?;
-        if rows.len() != requests.len() {
-            return Err(protocol(format!(
-                "{} outcomes for {} extensions",
-                rows.len(),
-                requests.len()
-            )));
-        }
-        // Rows come ordered by request position (1-based).
-        rows.into_iter()
-            .enumerate()
-            .map(|(i, (ord, outcome))| {
-                if usize::try_from(ord).ok() != Some(i + 1) {
-                    return Err(protocol(format!("extension outcome {ord} out of order")));
-                }
-                match outcome {
-                    EXTENDED => Ok(ExtendOutcome::Extended),
-                    EXPIRED => Ok(ExtendOutcome::Expired),
-                    TAKEN => Ok(ExtendOutcome::Taken),
-                    other => Err(protocol(format!("unknown extension outcome {other}"))),
-                }
-            })
-            .collect()
+        batch_results(requests.len(), self.extend_statement(requests).await)
+    }
+
+    /// One database.
+    fn failure_domain(&self, _key: &str) -> u64 {
+        0
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

@@ -37,7 +37,12 @@ async fn a_full_batch_is_extended_in_one_call_in_order() {
             ttl,
         })
         .collect();
-    let outcomes = backend.extend_many(&requests).await.unwrap();
+    let outcomes = backend
+        .extend_many(&requests)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
     assert_eq!(outcomes.len(), MAX_EXTEND_BATCH);
     for (i, outcome) in outcomes.iter().enumerate() {
         let expected = match i % 100 {

@@ -10,8 +10,9 @@ use std::time::Duration;
 use deadpool_redis::{Pool, PoolError, Runtime};
 use futures_util::FutureExt;
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities,
+    ExtendOutcome, ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
+    MAX_KEY_LEN,
 };
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, Script};
@@ -690,6 +691,45 @@ fn checkout_error(error: PoolError) -> BackendError {
 }
 
 impl RedisBackend {
+    /// The extensions of [`LockBackend::extend_many`] as one pipeline of
+    /// `EVALSHA` of the extension script: one round trip.
+    async fn extend_pipeline(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        let mut pipe = redis::pipe();
+        for request in requests {
+            pipe.cmd("EVALSHA")
+                .arg(EXTEND.get_hash())
+                .arg(1)
+                .arg(self.lock_key(request.lease.key()).as_ref())
+                .arg(request.lease.owner().as_str())
+                .arg(ttl_ms(request.ttl));
+        }
+        let answers: Vec<i64> = self
+            .bounded("extension", async {
+                let mut conn = self.connection().await?;
+                match pipe.query_async(&mut conn).await {
+                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                        EXTEND
+                            .load_async(&mut conn)
+                            .await
+                            .map_err(map_redis_error)?;
+                        pipe.query_async(&mut conn).await.map_err(map_redis_error)
+                    }
+                    answer => answer.map_err(map_redis_error),
+                }
+            })
+            .await?;
+        if answers.len() != requests.len() {
+            return Err(BackendError::message(
+                BackendErrorKind::Protocol,
+                format!("{} answers to {} extensions", answers.len(), requests.len()),
+            ));
+        }
+        answers.into_iter().map(extend_outcome).collect()
+    }
+
     /// Compares the `run_id` of the server the pool reaches with the one the
     /// pub/sub client reaches. `Err` (not cached): the check itself failed;
     /// `Ok(Err)` (cached): they differ, and notifications stay off.
@@ -904,41 +944,16 @@ impl LockBackend for RedisBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         if requests.is_empty() {
-            return Ok(Vec::new());
+            return Vec::new();
         }
-        let mut pipe = redis::pipe();
-        for request in requests {
-            pipe.cmd("EVALSHA")
-                .arg(EXTEND.get_hash())
-                .arg(1)
-                .arg(self.lock_key(request.lease.key()).as_ref())
-                .arg(request.lease.owner().as_str())
-                .arg(ttl_ms(request.ttl));
-        }
-        let answers: Vec<i64> = self
-            .bounded("extension", async {
-                let mut conn = self.connection().await?;
-                match pipe.query_async(&mut conn).await {
-                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                        EXTEND
-                            .load_async(&mut conn)
-                            .await
-                            .map_err(map_redis_error)?;
-                        pipe.query_async(&mut conn).await.map_err(map_redis_error)
-                    }
-                    answer => answer.map_err(map_redis_error),
-                }
-            })
-            .await?;
-        if answers.len() != requests.len() {
-            return Err(BackendError::message(
-                BackendErrorKind::Protocol,
-                format!("{} answers to {} extensions", answers.len(), requests.len()),
-            ));
-        }
-        answers.into_iter().map(extend_outcome).collect()
+        batch_results(requests.len(), self.extend_pipeline(requests).await)
+    }
+
+    /// One server.
+    fn failure_domain(&self, _key: &str) -> u64 {
+        0
     }
 
     /// `DEL` if the key still holds the owner token, then `PUBLISH` of the

@@ -326,7 +326,7 @@ impl RedisClusterBackend {
         mut conn: ClusterConnection,
         node: Option<(String, u16)>,
         requests: Vec<(usize, String, &ExtendRequest)>,
-    ) -> Result<Vec<(usize, ExtendOutcome)>, BackendError> {
+    ) -> Result<Vec<(usize, Result<ExtendOutcome, BackendError>)>, BackendError> {
         if let Some((host, port)) = node.filter(|_| requests.len() > 1) {
             let mut pipe = redis::pipe();
             for (_, lock_key, request) in &requests {
@@ -355,15 +355,16 @@ impl RedisClusterBackend {
                             format!("{} answers to {} extensions", values.len(), requests.len()),
                         ));
                     }
-                    return requests
+                    return Ok(requests
                         .iter()
                         .zip(values)
                         .map(|((i, _, _), value)| {
-                            let n = redis::from_redis_value::<i64>(&value)
-                                .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))?;
-                            Ok((*i, extend_outcome(n)?))
+                            let outcome = redis::from_redis_value::<i64>(&value)
+                                .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))
+                                .and_then(extend_outcome);
+                            (*i, outcome)
                         })
-                        .collect();
+                        .collect());
                 }
                 // A stale slot map: a redirection, or a node the
                 // connection no longer knows (a master that died).
@@ -380,20 +381,24 @@ impl RedisClusterBackend {
         let each = requests.iter().map(|(i, lock_key, request)| {
             let mut conn = conn.clone();
             async move {
-                let answer = eval(
-                    &mut conn,
-                    &EXTEND_SCRIPT,
-                    &[lock_key],
-                    &[request.lease.owner().as_str(), &ttl_ms(request.ttl)],
-                )
-                .await
-                .map_err(map_cluster_error)?;
-                let n = redis::from_redis_value::<i64>(&answer)
-                    .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))?;
-                Ok((*i, extend_outcome(n)?))
+                let outcome = async {
+                    let answer = eval(
+                        &mut conn,
+                        &EXTEND_SCRIPT,
+                        &[lock_key],
+                        &[request.lease.owner().as_str(), &ttl_ms(request.ttl)],
+                    )
+                    .await
+                    .map_err(map_cluster_error)?;
+                    let n = redis::from_redis_value::<i64>(&answer)
+                        .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))?;
+                    extend_outcome(n)
+                }
+                .await;
+                (*i, outcome)
             }
         });
-        futures_util::future::try_join_all(each).await
+        Ok(futures_util::future::join_all(each).await)
     }
 }
 
@@ -797,31 +802,81 @@ impl LockBackend for RedisClusterBackend {
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
-    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
         if requests.is_empty() {
-            return Ok(Vec::new());
+            return Vec::new();
         }
-        self.bounded("extension", |mut conn| async move {
-            let map = self.slot_map(&mut conn).await?;
-            let mut groups: HashMap<Option<(String, u16)>, Vec<(usize, String, &ExtendRequest)>> =
-                HashMap::new();
-            for (i, request) in requests.iter().enumerate() {
-                let lock_key = self.lock_key(request.lease.key());
-                let node = map.master_of(key_slot(&lock_key));
-                groups.entry(node).or_default().push((i, lock_key, request));
+        let map = self
+            .bounded("extension", |mut conn| async move {
+                self.slot_map(&mut conn).await
+            })
+            .await;
+        let map = match map {
+            Ok(map) => map,
+            Err(error) => return vec![Err(error); requests.len()],
+        };
+        let mut groups: HashMap<Option<(String, u16)>, Vec<(usize, String, &ExtendRequest)>> =
+            HashMap::new();
+        for (i, request) in requests.iter().enumerate() {
+            let lock_key = self.lock_key(request.lease.key());
+            let node = map.master_of(key_slot(&lock_key));
+            groups.entry(node).or_default().push((i, lock_key, request));
+        }
+        // [L4] Each node's group under its own deadline, its failure its own.
+        let batches = groups.into_iter().map(|(node, group)| {
+            let positions: Vec<usize> = group.iter().map(|(i, _, _)| *i).collect();
+            async move {
+                let answer = self
+                    .bounded("extension", move |conn| {
+                        self.extend_group(conn, node, group)
+                    })
+                    .await;
+                (positions, answer)
             }
-            let batches = groups
-                .into_iter()
-                .map(|(node, group)| self.extend_group(conn.clone(), node, group));
-            let mut outcomes = vec![ExtendOutcome::Expired; requests.len()];
-            for group in futures_util::future::try_join_all(batches).await? {
-                for (i, outcome) in group {
-                    outcomes[i] = outcome;
+        });
+        let mut results: Vec<Option<Result<ExtendOutcome, BackendError>>> =
+            vec![None; requests.len()];
+        for (positions, answer) in futures_util::future::join_all(batches).await {
+            match answer {
+                Ok(group) => {
+                    for (i, result) in group {
+                        results[i] = Some(result);
+                    }
+                }
+                Err(error) => {
+                    for i in positions {
+                        results[i] = Some(Err(error.clone()));
+                    }
                 }
             }
-            Ok(outcomes)
-        })
-        .await
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.unwrap_or_else(|| {
+                    Err(BackendError::message(
+                        BackendErrorKind::Protocol,
+                        "no answer for the extension",
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// The master that serves the key's slot, as the slot map last read
+    /// says; `0` until the map is read (after a redirection too).
+    fn failure_domain(&self, key: &str) -> u64 {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let map = self
+            .inner
+            .slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        map.and_then(|map| map.master_of(key_slot(&self.lock_key(key))))
+            .map_or(0, |node| {
+                BuildHasherDefault::<DefaultHasher>::default().hash_one(node)
+            })
     }
 
     /// `DEL` if the key still holds the owner token, then `SPUBLISH` of the

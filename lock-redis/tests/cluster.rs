@@ -70,13 +70,23 @@ async fn keys_spread_over_every_master_with_their_counters() {
         })
         .collect();
     assert_eq!(
-        backend.extend_many(&requests).await.unwrap(),
+        backend
+            .extend_many(&requests)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap(),
         vec![ExtendOutcome::Extended; 64]
     );
     // A lease that is not held anymore answers in its place in the batch.
     let mut mixed = requests.clone();
     mixed[7].lease = Lease::new(leases[7].key(), OwnerToken::new("other"), 1);
-    let outcomes = backend.extend_many(&mixed).await.unwrap();
+    let outcomes = backend
+        .extend_many(&mixed)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
     assert_eq!(outcomes[7], ExtendOutcome::Taken);
     assert_eq!(
         outcomes

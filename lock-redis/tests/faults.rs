@@ -239,7 +239,12 @@ async fn script_flush_mid_run_breaks_nothing() {
         3
     ];
     assert_eq!(
-        backend.extend_many(&batch).await.unwrap(),
+        backend
+            .extend_many(&batch)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap(),
         vec![ExtendOutcome::Extended; 3]
     );
     server.script_flush().unwrap();

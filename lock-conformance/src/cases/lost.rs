@@ -9,7 +9,9 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::faults::{is_injected, FaultInjector, Step};
-use crate::support::{node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON};
+use crate::support::{
+    assert_held, node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON,
+};
 
 /// Runs a callback that waits until told, under a lock from `locker`, and
 /// returns the pending call with a channel that tells it to finish.
@@ -231,4 +233,98 @@ pub async fn l3_cancel_on_loss_drops_borrowing_callback(factory: Arc<dyn Backend
     )
     .await
     .unwrap();
+}
+
+/// The ttl of the batch cases \[L4\]: long enough that the healthy leases'
+/// extensions ride out a loaded machine.
+const BATCH_TTL: Duration = Duration::from_secs(3);
+
+/// How the broken leases of a batch case fail.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Broken {
+    /// Their extensions fail with a backend error, in the same
+    /// `extend_many` calls as the healthy leases.
+    Failing,
+    /// Their server hangs: their extensions never answer.
+    Hung,
+}
+
+/// Six locks on one node, extended in batches; the extensions of two fail
+/// or hang. Only those two are reported lost, with a backend error, and
+/// only once their validity passed; the other four are extended on time
+/// and stay held.
+async fn only_broken_leases_are_lost(factory: Arc<dyn BackendFactory>, broken: Broken) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let faulty = FaultInjector::new(Arc::clone(&backend));
+    let a = node(faulty.clone(), "a");
+    let cfg = LockConfig::default().ttl(BATCH_TTL);
+    let keys: Vec<String> = (0..6).map(|i| ns.key(&format!("l4-{i}"))).collect();
+    let (broken_keys, healthy_keys) = keys.split_at(2);
+    // Broken before they are taken: the first extension already meets it.
+    for key in broken_keys {
+        match broken {
+            Broken::Failing => faulty.fail_extensions_of(key, true),
+            Broken::Hung => faulty.hang_extensions_of(key, true),
+        }
+    }
+    let before = Instant::now();
+    let mut held = Vec::new();
+    for key in &keys {
+        let (call, started, finish) = hold_in_background(&a, key, cfg);
+        within(SOON, "callback start", started).await.unwrap();
+        held.push((call, finish));
+    }
+    let mut healthy = held.split_off(2);
+    for (call, _finish) in held {
+        let cause = within(BATCH_TTL + SOON, "the broken leases' loss", lost_with(call)).await;
+        let lost_after = before.elapsed();
+        assert!(
+            matches!(&cause, LossCause::Backend(e) if broken == Broken::Hung || is_injected(e)),
+            "a broken lease is lost on its backend error, got {cause:?}"
+        );
+        // Its validity (the ttl from the acquisition, less a drift margin
+        // of about a hundredth) had passed.
+        assert!(
+            lost_after >= BATCH_TTL - BATCH_TTL / 20,
+            "reported lost after {lost_after:?}, before its validity of {BATCH_TTL:?} passed"
+        );
+    }
+    // The healthy leases outlived their first ttl: they were extended, and
+    // their holders were told nothing.
+    tokio::time::sleep(BATCH_TTL / 3).await;
+    for ((call, _), key) in healthy.iter().zip(healthy_keys) {
+        assert!(
+            !call.is_finished(),
+            "healthy lease {key:?} was reported lost"
+        );
+        assert_held(&backend, key, "a healthy lease past its first ttl").await;
+    }
+    for (call, finish) in healthy.drain(..) {
+        let _ = finish.send(());
+        within(SOON, "a healthy call", call)
+            .await
+            .unwrap()
+            .expect("a healthy lease was held throughout");
+    }
+    for key in broken_keys {
+        faulty.fail_extensions_of(key, false);
+        faulty.hang_extensions_of(key, false);
+    }
+    for key in &keys {
+        crate::support::assert_freed_soon(&backend, key, "after the case").await;
+    }
+}
+
+/// \[L4\] Some leases of an extension batch fail with a backend error:
+/// only those are reported lost, after their validity passed; the others
+/// of the same batch get their own answers and stay held.
+pub async fn l4_batch_errors_touch_only_their_leases(factory: Arc<dyn BackendFactory>) {
+    only_broken_leases_are_lost(factory, Broken::Failing).await;
+}
+
+/// \[L4\] Some leases' server hangs: no healthy lease waits behind them;
+/// only the hung ones are reported lost, after their validity passed.
+pub async fn l4_hung_leases_hold_up_only_themselves(factory: Arc<dyn BackendFactory>) {
+    only_broken_leases_are_lost(factory, Broken::Hung).await;
 }

@@ -99,7 +99,14 @@ pub async fn step_extend_many_answers_in_order(factory: Arc<dyn BackendFactory>)
         .collect();
     let mut outcomes = Vec::new();
     for chunk in requests.chunks(n) {
-        outcomes.extend(backend.extend_many(chunk).await.unwrap());
+        outcomes.extend(
+            backend
+                .extend_many(chunk)
+                .await
+                .into_iter()
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap(),
+        );
     }
     assert_eq!(
         outcomes,
