@@ -89,7 +89,7 @@ macro_rules! __with_cases {
             o5_keys_are_opaque,
             o6_stalled_holder_is_told_lost,
             o6_key_replaced_before_first_extension_is_lost,
-            o6_unanswered_release_is_not_ok,
+            o6_failed_release_after_a_valid_callback_gives_its_output,
             a1_first_attempt_at_once_then_spaced_retries,
             a2_defaults_give_up_after_eleven_attempts,
             a3_retry_zero_is_single_attempt,

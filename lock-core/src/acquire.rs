@@ -207,7 +207,10 @@ impl Drop for ReleaseOnDrop<'_> {
 impl<'a> Holding<'a> {
     /// Releases the lock and waits for the store's answer \[H3\]. A release
     /// that fails is sent again while the lock is still valid, so that the
-    /// answer can say whether the key was still ours \[O6\]. `None` when the
+    /// answer can say whether the key was found taken \[O6\]; once a try
+    /// failed after it may have reached the store, no answer can say so any
+    /// more, and the call gets that error while the release goes on in the
+    /// background. `None` when the
     /// lock was no longer this call's to release (lost, or released by
     /// shutdown). `now` is the clock read just before.
     ///
@@ -238,7 +241,7 @@ impl<'a> Holding<'a> {
         // background: a release can be repeated.
         let answer = owed
             .sent_again_if_dropped()
-            .send_until(deadline, now, failed)
+            .send_until_taken_or_failed(deadline, now, failed)
             .await;
         (Some(answer), held, pass)
     }

@@ -269,7 +269,7 @@ impl Locker {
                 // [O6] The output counts only if the lock was ours for the
                 // whole callback: still valid when it settled (a holder that
                 // stalled past its ttl is told here, even when no extension
-                // ran meanwhile), and found ours by the release.
+                // ran meanwhile), and not found taken by the release.
                 let now = Instant::now();
                 if !lock.held.is_valid_at(now) {
                     lock.held.mark_lost(LossCause::Expired);
@@ -279,10 +279,11 @@ impl Locker {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
                         held.mark_lost(LossCause::Taken);
                     }
-                    // No answer while the lock was valid: nothing proves
-                    // the key was still ours.
+                    // A release that failed proves nothing either way: the
+                    // validity was intact when the callback settled, so its
+                    // output stands, and the key expires with its ttl.
                     Some(Err(error)) => {
-                        held.mark_lost(LossCause::Backend(error));
+                        tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "release failed after the callback settled; its output stands and the key expires with its ttl");
                     }
                     Some(Ok(ReleaseOutcome::Released)) | None => {}
                 }

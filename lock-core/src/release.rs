@@ -58,11 +58,52 @@ impl OwedRelease {
     /// `now` is the clock read just before; `failed`, the error of a first
     /// try already made.
     pub(crate) async fn send_until(
+        self,
+        deadline: Instant,
+        now: Instant,
+        failed: Option<BackendError>,
+    ) -> Result<ReleaseOutcome, BackendError> {
+        match self.send_until_decided(deadline, now, failed, false).await {
+            Ok(answer) => answer,
+            Err((error, _)) => Err(error),
+        }
+    }
+
+    /// As [`send_until`](Self::send_until) for a caller that needs to know
+    /// only whether the key was found taken \[O6\]: after a failed try that
+    /// may have reached the store, no later answer can say so (a "not held"
+    /// then proves nothing), so the caller gets that error at once and the
+    /// release goes on in the background until `deadline`, still owed.
+    pub(crate) async fn send_until_taken_or_failed(
+        self,
+        deadline: Instant,
+        now: Instant,
+        failed: Option<BackendError>,
+    ) -> Result<ReleaseOutcome, BackendError> {
+        match self.send_until_decided(deadline, now, failed, true).await {
+            Ok(answer) => answer,
+            Err((error, rest)) => {
+                let registry = Arc::clone(&rest.registry);
+                let resend = async move {
+                    let _ = rest.send_until(deadline, Instant::now(), None).await;
+                };
+                // Without a runtime the release is dropped, given up.
+                registry.spawn(resend);
+                Err(error)
+            }
+        }
+    }
+
+    /// The loop of both: `Err` with the release still owed when
+    /// `stop_when_undecidable` and a try failed after it may have reached
+    /// the store.
+    async fn send_until_decided(
         mut self,
         deadline: Instant,
         mut now: Instant,
         failed: Option<BackendError>,
-    ) -> Result<ReleaseOutcome, BackendError> {
+        stop_when_undecidable: bool,
+    ) -> Result<Result<ReleaseOutcome, BackendError>, (BackendError, Self)> {
         let mut failed = failed.map(Err);
         let mut pause = RETRY_PAUSE;
         // The first failed try whose request may have reached the store.
@@ -98,6 +139,11 @@ impl OwedRelease {
             if let Err(error) = &answer {
                 tracing::debug!(key = %self.lease.key(), %error, "release failed; sending it again");
             }
+            if stop_when_undecidable {
+                if let Some(error) = maybe_applied.clone() {
+                    return Err((error, self));
+                }
+            }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_RETRY_PAUSE);
             now = Instant::now();
@@ -112,7 +158,7 @@ impl OwedRelease {
         }
         self.settled = true;
         self.registry.release_settled(answer.is_ok());
-        answer
+        Ok(answer)
     }
 
     /// Sends the release without waiting: it is polled once in place (an
