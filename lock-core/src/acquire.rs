@@ -384,6 +384,12 @@ impl Locker {
                         }
                     }
                     Ok(AcquireOutcome::Busy) => true,
+                    // [A8] A setup error is said at once: no attempt after
+                    // it could do better.
+                    Err(error) if error.is_permanent() => {
+                        tracing::warn!(%error, "acquisition refused by the backend's setup; not retried");
+                        return Err(not_acquired(key, counted + 1, Some(error)));
+                    }
                     Err(error) => {
                         tracing::debug!(%error, "acquisition attempt failed");
                         last_error = Some(error);

@@ -135,6 +135,12 @@ pub enum BackendErrorKind {
     /// refused connection, an empty pool): the step certainly changed
     /// nothing in the store.
     Unavailable,
+    /// The store refused the step for a reason that trying again cannot
+    /// mend: authentication refused, permission denied, a missing lock
+    /// table, a lock table or fencing companion of the wrong type. The
+    /// driver does not retry it: the call ends at once with this error as
+    /// its source \[A8\].
+    Setup,
 }
 
 /// An error of a backend step, keeping the store's own error as its source.
@@ -184,6 +190,17 @@ impl BackendError {
         self.kind
     }
 
+    /// A step the store refused for a reason that trying again cannot mend
+    /// (see [`BackendErrorKind::Setup`]).
+    pub fn setup(source: impl StdError + Send + Sync + 'static) -> Self {
+        Self::new(BackendErrorKind::Setup, source)
+    }
+
+    /// Whether trying again cannot help: kind [`BackendErrorKind::Setup`].
+    pub fn is_permanent(&self) -> bool {
+        self.kind == BackendErrorKind::Setup
+    }
+
     /// Whether the step timed out.
     pub fn is_timeout(&self) -> bool {
         self.kind == BackendErrorKind::Timeout
@@ -218,6 +235,9 @@ impl fmt::Display for BackendError {
             BackendErrorKind::Timeout => "lock backend step timed out",
             BackendErrorKind::Protocol => "lock backend gave an unexpected answer",
             BackendErrorKind::Unavailable => "lock backend unreachable; the request was not sent",
+            BackendErrorKind::Setup => {
+                "lock backend refused the step: its setup or permissions need fixing"
+            }
         };
         f.write_str(what)
     }

@@ -267,7 +267,7 @@ impl PostgresBackend {
                 match found {
                     Some(found) if found == "bigint" => Ok(()),
                     Some(found) => Err(Unchecked::Failed(BackendError::new(
-                        BackendErrorKind::Protocol,
+                        BackendErrorKind::Setup,
                         SetupError::NarrowSequence {
                             table: self.inner.table.clone(),
                             found,

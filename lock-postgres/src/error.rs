@@ -59,6 +59,7 @@ pub enum SetupError {
 /// get kind `Timeout`; anything else, `Request`.
 pub(crate) fn step_error(error: sqlx::Error) -> BackendError {
     let kind = match &error {
+        _ if is_setup_error(&error) => BackendErrorKind::Setup,
         sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => BackendErrorKind::Unavailable,
         sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("57014" | "55P03")) => {
             BackendErrorKind::Timeout
@@ -72,7 +73,25 @@ pub(crate) fn step_error(error: sqlx::Error) -> BackendError {
 /// closed pool, a refused or failed connect) to kind `Unavailable`: the
 /// step's statement was never sent, so it changed nothing.
 pub(crate) fn checkout_error(error: sqlx::Error) -> BackendError {
+    if is_setup_error(&error) {
+        return BackendError::setup(error);
+    }
     BackendError::unavailable(error)
+}
+
+/// An error that trying again cannot mend \[A8\], by its SQLSTATE: a
+/// refused login (28000, 28P01), a missing database, schema, table, column
+/// or function (3D000, 3F000, 42P01, 42703, 42883), permission denied
+/// (42501), a column of the wrong type (42804), and a fencing token that
+/// does not fit the `sequence` column (22003: an `integer` column).
+fn is_setup_error(error: &sqlx::Error) -> bool {
+    matches!(
+        error,
+        sqlx::Error::Database(db) if matches!(
+            db.code().as_deref(),
+            Some("28000" | "28P01" | "3D000" | "3F000" | "42P01" | "42703" | "42883" | "42501" | "42804" | "22003")
+        )
+    )
 }
 
 /// A step that did not answer within the configured statement timeout.

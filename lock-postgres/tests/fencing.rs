@@ -252,7 +252,7 @@ async fn h4_an_integer_sequence_column_is_refused_before_anything_is_taken() {
             .try_acquire(k, &owner, ttl)
             .await
             .expect_err("an integer sequence is refused");
-        assert_eq!(error.kind(), BackendErrorKind::Protocol, "{error:?}");
+        assert_eq!(error.kind(), BackendErrorKind::Setup, "{error:?}");
         match error.inner().downcast_ref::<SetupError>() {
             Some(SetupError::NarrowSequence { table: t, found }) => {
                 assert_eq!(t, &table);
@@ -281,7 +281,9 @@ async fn h4_an_integer_sequence_column_is_refused_before_anything_is_taken() {
         SOON,
         Locker::new(backend.clone()).with_lock_config(
             &fresh,
-            &LockConfig::default().retry_attempts(0),
+            // [A8] The default ten retries: a setup error ends the call at
+            // the first attempt all the same.
+            &LockConfig::default(),
             |_| async { panic!("the callback must not run") },
         ),
     )
@@ -289,8 +291,13 @@ async fn h4_an_integer_sequence_column_is_refused_before_anything_is_taken() {
     .unwrap();
     match got {
         Err(LockError::NotAcquired {
-            source: Some(e), ..
-        }) => assert_eq!(e.kind(), BackendErrorKind::Protocol),
+            source: Some(e),
+            attempts,
+            ..
+        }) => {
+            assert_eq!(e.kind(), BackendErrorKind::Setup);
+            assert_eq!(attempts, 1, "a8: a setup error is not retried");
+        }
         other => panic!("expected NotAcquired with the refusal, got {other:?}"),
     }
     assert_eq!(row(&pool, &table, &fresh).await, None);

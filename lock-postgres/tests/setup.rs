@@ -60,3 +60,53 @@ fn the_config_loads_from_a_file_with_human_durations() {
             .step_timeout(std::time::Duration::from_secs(1))
     );
 }
+
+/// SPEC A8: a permanent setup error (a missing lock table, a role the
+/// server does not know, a missing database) ends the call at its first
+/// attempt with that error as its source, with the default ten retries.
+#[tokio::test]
+async fn a8_setup_errors_are_not_retried() {
+    use lock_core::{LockConfig, LockError};
+    let url = database_url();
+    let schema = TestSchema::create(&url).await.unwrap();
+    let base = url
+        .rsplit_once('@')
+        .map_or("127.0.0.1:5432/test", |(_, rest)| rest);
+    let host = base.split_once('/').map_or(base, |(host, _)| host);
+    let cases = [
+        ("a missing table", url.clone()),
+        (
+            "an unknown role",
+            format!("postgres://withlock_no_such_role@{host}/test"),
+        ),
+        (
+            "a missing database",
+            format!("postgres://postgres@{host}/withlock_no_such_db"),
+        ),
+    ];
+    for (what, case_url) in cases {
+        // No `migrate`: the schema has no lock table.
+        let backend =
+            PostgresBackend::from_url_with(&case_url, schema.config(Default::default())).unwrap();
+        let got = tokio::time::timeout(
+            std::time::Duration::from_secs(15),
+            Locker::new(backend).with_lock_config("a8", &LockConfig::default(), |_| async {
+                panic!("the callback must not run")
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: retried instead of said at once"));
+        match got {
+            Err(LockError::NotAcquired {
+                attempts,
+                source: Some(e),
+                ..
+            }) => {
+                assert_eq!(e.kind(), BackendErrorKind::Setup, "{what}: {e:?}");
+                assert_eq!(attempts, 1, "{what}: a setup error is not retried");
+            }
+            other => panic!("{what}: expected NotAcquired with the refusal, got {other:?}"),
+        }
+    }
+    schema.drop_now().await.unwrap();
+}

@@ -788,10 +788,25 @@ async fn run_id(conn: &mut MultiplexedConnection) -> Result<String, BackendError
 pub(crate) fn map_redis_error(error: redis::RedisError) -> BackendError {
     let kind = if error.is_timeout() {
         BackendErrorKind::Timeout
+    } else if is_setup_error(&error) {
+        BackendErrorKind::Setup
     } else {
         BackendErrorKind::Request
     };
     BackendError::new(kind, error)
+}
+
+/// An error that trying again cannot mend \[A8\]: authentication refused,
+/// an ACL that denies a command, key or channel, a lock key or companion
+/// of the wrong type, a fencing companion that holds no counter. Scripts
+/// pass on the code of the command that failed in them.
+fn is_setup_error(error: &redis::RedisError) -> bool {
+    error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(
+            error.code(),
+            Some("NOPERM" | "WRONGPASS" | "NOAUTH" | "WRONGTYPE")
+        )
+        || error.to_string().contains("the fencing companion")
 }
 
 pub(crate) fn ttl_ms(ttl: Duration) -> String {

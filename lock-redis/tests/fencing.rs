@@ -301,3 +301,49 @@ async fn h4_a_request_sent_to_a_hung_server_stays_a_timeout() {
     assert_eq!(error.kind(), BackendErrorKind::Timeout, "{error:?}");
     assert!(error.may_have_reached_store());
 }
+
+/// SPEC A8: a fencing companion that holds no counter is a setup error,
+/// said at once: with the default ten retries the call ends after its
+/// first attempt, with the refusal as its source, and takes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a8_a_corrupt_companion_is_not_retried() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let backend = RedisBackend::from_url(&url).unwrap();
+    let mut conn = raw(&url).await;
+    for (i, corrupt) in ["string", "hash"].into_iter().enumerate() {
+        let key = ns.key(&format!("a8 {i}"));
+        let fence = backend.fence_key(&key);
+        if corrupt == "string" {
+            let _: () = conn.set(&fence, "not a number").await.unwrap();
+        } else {
+            let _: () = conn.hset(&fence, "field", "value").await.unwrap();
+        }
+        let locker = Locker::new(backend.clone());
+        let got = within(
+            LIMIT,
+            "with_lock",
+            locker.with_lock_config(&key, &LockConfig::default(), |_| async {
+                panic!("the callback must not run")
+            }),
+        )
+        .await;
+        match got {
+            Err(LockError::NotAcquired {
+                attempts,
+                source: Some(e),
+                ..
+            }) => {
+                assert_eq!(e.kind(), BackendErrorKind::Setup, "{corrupt}: {e:?}");
+                assert_eq!(attempts, 1, "{corrupt}: a setup error is not retried");
+                assert!(
+                    refused_for_its_counter(&e) || e.inner().to_string().contains("WRONGTYPE"),
+                    "{e:?}"
+                );
+            }
+            other => panic!("{corrupt}: expected NotAcquired with the refusal, got {other:?}"),
+        }
+        let taken: bool = conn.exists(&key).await.unwrap();
+        assert!(!taken, "{corrupt}: the lock key was not taken");
+    }
+}
