@@ -91,7 +91,8 @@ impl RedisBackend {
     /// `client` opens the one pub/sub connection of the backend; it must
     /// reach the same server as the pool. Nothing connects until the first
     /// call. The first wait for a release checks that both reach the same
-    /// server (its `run_id`): if they do not, release notifications stay off
+    /// server (a probe published through the pool must reach the client):
+    /// if they do not, release notifications stay off
     /// with an error logged once, and waiters poll every `retry_delay`.
     pub fn new(pool: Pool, client: redis::Client) -> Self {
         Self::build(pool, client, RedisConfig::default(), true)
@@ -177,6 +178,7 @@ impl RedisBackend {
     /// `PING` through the backend's connection, and the replicas the
     /// durability setting waits for: nothing is written.
     pub(crate) async fn check_primary(&self) -> Result<(), SetupError> {
+        let durability = self.inner.config.durability;
         let available = self
             .bounded("connecting", async {
                 let mut conn = self.connection().await?;
@@ -184,15 +186,30 @@ impl RedisBackend {
                     .query_async::<String>(&mut conn)
                     .await
                     .map_err(map_redis_error)?;
-                connected_replicas(&mut conn).await
+                if durability.is_none() {
+                    return Ok(None);
+                }
+                // `INFO` is in the `@dangerous` ACL category: a user
+                // without it skips this check, and `WAIT` after each
+                // acquisition still counts the replicas [D3].
+                match connected_replicas(&mut conn).await {
+                    Ok(n) => Ok(Some(n)),
+                    Err(e) if e.is_permanent() => {
+                        tracing::info!(error = %e, "INFO is not allowed for this user: the replicas the durability setting waits for are not checked at connect");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                }
             })
             .await
             .map_err(SetupError::Connect)?;
-        match self.inner.config.durability {
-            Some(d) if d.replicas > available => Err(SetupError::NotEnoughReplicas {
-                wanted: d.replicas,
-                available,
-            }),
+        match (durability, available) {
+            (Some(d), Some(available)) if d.replicas > available => {
+                Err(SetupError::NotEnoughReplicas {
+                    wanted: d.replicas,
+                    available,
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -730,58 +747,49 @@ impl RedisBackend {
         answers.into_iter().map(extend_outcome).collect()
     }
 
-    /// Compares the `run_id` of the server the pool reaches with the one the
-    /// pub/sub client reaches. `Err` (not cached): the check itself failed;
-    /// `Ok(Err)` (cached): they differ, and notifications stay off.
+    /// Checks that the pub/sub client hears releases published through the
+    /// pool: a probe published on the release channel, for a key nobody
+    /// locks, must reach the backend's own subscription. Needs only the
+    /// rights the lock steps need (`PUBLISH` and `SUBSCRIBE` on the release
+    /// channel), not `INFO` \[D3\]. `Err` (not cached): the check itself
+    /// failed; `Ok(Err)` (cached): the probe was not heard, and
+    /// notifications stay off.
     async fn check_same_server(
         &self,
-        client: &redis::Client,
+        subscription: &Subscription,
     ) -> Result<Result<(), BackendError>, BackendError> {
-        let ours = self
-            .bounded("checking the pool's server", async {
+        let probe = format!("withlock-probe:{:032x}", rand::random::<u128>());
+        let mut watch = subscription.watch(&probe).await?;
+        let lock_key = self.lock_key(&probe).into_owned();
+        let _receivers: i64 = self
+            .bounded("probing the release channel", async {
                 let mut conn = self.connection().await?;
-                run_id(&mut conn).await
-            })
-            .await?;
-        let theirs = self
-            .bounded("checking the pub/sub client's server", async {
-                let mut conn = client
-                    .get_multiplexed_async_connection()
+                redis::cmd("PUBLISH")
+                    .arg(&self.inner.channel)
+                    .arg(&lock_key)
+                    .query_async(&mut conn)
                     .await
-                    .map_err(map_redis_error)?;
-                run_id(&mut conn).await
+                    .map_err(map_redis_error)
             })
             .await?;
-        if ours == theirs {
+        let heard = tokio::time::timeout(self.inner.config.step_timeout, watch.released())
+            .await
+            .is_ok();
+        if heard {
             return Ok(Ok(()));
         }
         tracing::error!(
-            pool_server = %ours,
-            client_server = %theirs,
-            "the pub/sub client given to RedisBackend reaches another Redis server than the pool: release notifications are off, waiters poll every retry_delay"
+            channel = %self.inner.channel,
+            "the pub/sub client given to RedisBackend does not hear releases published through the pool (it reaches another Redis server): release notifications are off, waiters poll every retry_delay"
         );
         Ok(Err(BackendError::message(
             BackendErrorKind::Protocol,
             format!(
-                "the pub/sub client reaches another Redis server (run_id {theirs}) than the pool (run_id {ours}): release notifications are off"
+                "the pub/sub client does not hear a probe published through the pool on {:?} within {:?}: it reaches another Redis server; release notifications are off",
+                self.inner.channel, self.inner.config.step_timeout
             ),
         )))
     }
-}
-
-/// The `run_id` of the server behind `conn`, from `INFO server`.
-async fn run_id(conn: &mut MultiplexedConnection) -> Result<String, BackendError> {
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(conn)
-        .await
-        .map_err(map_redis_error)?;
-    info.lines()
-        .find_map(|line| line.strip_prefix("run_id:"))
-        .map(|id| id.trim().to_owned())
-        .ok_or_else(|| {
-            BackendError::message(BackendErrorKind::Protocol, "INFO server has no run_id")
-        })
 }
 
 /// Maps a Redis error to a backend error, keeping it as the source.
@@ -1013,10 +1021,10 @@ impl LockBackend for RedisBackend {
         let Some(subscription) = &self.inner.subscription else {
             return Ok(ReleaseWatch::never());
         };
-        if let Some(client) = &self.inner.separate_client {
+        if self.inner.separate_client.is_some() {
             self.inner
                 .same_server
-                .get_or_try_init(|| self.check_same_server(client))
+                .get_or_try_init(|| self.check_same_server(subscription))
                 .await?
                 .clone()?;
         }
