@@ -100,6 +100,10 @@ impl<B: fmt::Debug> fmt::Debug for CountingBackend<B> {
     }
 }
 
+// The admin of the wrapped store, uncounted: the counts are the lock
+// steps'.
+lock_core::forward_lock_admin!(@impl [B: lock_core::LockAdmin] CountingBackend<B>, this => &this.inner);
+
 #[async_trait]
 impl<B: LockBackend> LockBackend for CountingBackend<B> {
     fn capabilities(&self) -> Capabilities {

@@ -265,6 +265,9 @@ impl<B: fmt::Debug> fmt::Debug for FaultInjector<B> {
     }
 }
 
+// The admin of the wrapped store, unchanged: faults are the lock steps'.
+lock_core::forward_lock_admin!(@impl [B: lock_core::LockAdmin] FaultInjector<B>, this => &this.inner);
+
 #[async_trait]
 impl<B: LockBackend> LockBackend for FaultInjector<B> {
     fn capabilities(&self) -> Capabilities {

@@ -18,7 +18,9 @@
 //! ```
 //!
 //! The argument is a [`BackendFactory`]: any closure giving a future of a
-//! backend. [`run_all`] runs the same list from inside one async test.
+//! backend that is also its store's admin ([`lock_core::LockAdmin`]), or
+//! one wrapped in [`without_admin`] for a backend without admin functions.
+//! [`run_all`] runs the same list from inside one async test.
 //!
 //! # Writing a new backend
 //!
@@ -33,9 +35,11 @@
 //!    `watch_release`; with them, build watches with a
 //!    [`lock_core::ReleaseHub`] and make sure the subscription is in place
 //!    before `watch_release` returns.
-//! 3. Run this suite with [`conformance_tests!`]. `tests/toy_backend.rs` in
+//! 3. Implement [`lock_core::LockAdmin`] (list, inspect, force release)
+//!    on the same type, or declare the backend [`without_admin`].
+//! 4. Run this suite with [`conformance_tests!`]. `tests/toy_backend.rs` in
 //!    this crate is a complete example: a backend of about a hundred lines on a `HashMap`
-//!    that passes every case.
+//!    that passes every case (declared without admin functions).
 //!
 //! # Wrappers
 //!
@@ -56,8 +60,8 @@ use std::time::Duration;
 pub use counting::CountingBackend;
 pub use faults::{is_injected, FaultInjector, InjectedFault, Step};
 pub use support::{
-    assert_free, assert_freed_soon, assert_held, node, once, patient, within, BackendFactory,
-    Namespace, RETRY, SHORT_TTL, SOON,
+    assert_free, assert_freed_soon, assert_held, node, once, patient, within, without_admin,
+    AdminStore, BackendFactory, Namespace, WithoutAdmin, RETRY, SHORT_TTL, SOON,
 };
 
 /// A case as the list holds it.
@@ -129,6 +133,9 @@ macro_rules! __with_cases {
             step_release_is_idempotent,
             step_release_notifications_as_declared,
             rel_exclusion_holds_under_faults,
+            d1_list_inspect_force_release_agree_with_the_lock,
+            d2_force_release_of_a_free_key_changes_nothing,
+            l5_force_release_wakes_waiters,
         }
     };
 }

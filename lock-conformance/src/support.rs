@@ -6,33 +6,96 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{DynLockBackend, LockBackend, LockConfig, LockError, Locker, LockerOptions};
+use lock_core::{
+    DynLockBackend, LockAdmin, LockBackend, LockConfig, LockError, Locker, LockerOptions,
+};
 
 /// Makes a fresh backend for one case. Every locker of the case shares it,
 /// each locker standing for one node.
 ///
-/// Any `Fn() -> impl Future<Output = impl LockBackend>` is a factory:
+/// Any `Fn() -> impl Future<Output = B>` is a factory, where `B` is both the
+/// backend and the admin of its store ([`LockAdmin`]), as every withlock
+/// backend is; the admin cases \[D1, D2, L5\] then run on it too. A
+/// backend without an admin is declared so with [`without_admin`], and the
+/// admin cases pass on it saying so:
 ///
 /// ```
-/// # use lock_conformance::BackendFactory;
+/// # use lock_conformance::{without_admin, BackendFactory};
 /// # use lock_memory::MemoryBackend;
 /// fn takes(_: impl BackendFactory) {}
 /// takes(|| async { MemoryBackend::new() });
+/// takes(without_admin(|| async { MemoryBackend::new() }));
 /// ```
 pub trait BackendFactory: Send + Sync + 'static {
     /// A backend for one case.
     fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>>;
+
+    /// A backend for one case and the admin of the same store; `None` for
+    /// a factory declared [`without_admin`].
+    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>>;
+}
+
+/// A backend and the admin of its store, as [`BackendFactory::with_admin`]
+/// gives them.
+#[derive(Clone)]
+pub struct AdminStore {
+    /// The backend, for the lockers of the case.
+    pub backend: Arc<DynLockBackend>,
+    /// The same store's admin functions.
+    pub admin: Arc<dyn LockAdmin>,
 }
 
 impl<F, Fut, B> BackendFactory for F
 where
     F: Fn() -> Fut + Send + Sync + 'static,
     Fut: Future<Output = B> + Send + 'static,
-    B: LockBackend,
+    B: LockBackend + LockAdmin,
 {
     fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
         let made = self();
         Box::pin(async move { Arc::new(made.await) as Arc<DynLockBackend> })
+    }
+
+    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
+        let made = self();
+        Box::pin(async move {
+            let store = Arc::new(made.await);
+            Some(AdminStore {
+                backend: Arc::clone(&store) as Arc<DynLockBackend>,
+                admin: store as Arc<dyn LockAdmin>,
+            })
+        })
+    }
+}
+
+/// A factory of backends that have no admin functions: the admin cases
+/// pass on it, saying so. See [`BackendFactory`].
+pub fn without_admin<F, Fut, B>(factory: F) -> WithoutAdmin<F>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = B> + Send + 'static,
+    B: LockBackend,
+{
+    WithoutAdmin(factory)
+}
+
+/// A factory declared without admin functions; made by [`without_admin`].
+#[derive(Clone, Copy, Debug)]
+pub struct WithoutAdmin<F>(F);
+
+impl<F, Fut, B> BackendFactory for WithoutAdmin<F>
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = B> + Send + 'static,
+    B: LockBackend,
+{
+    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
+        let made = (self.0)();
+        Box::pin(async move { Arc::new(made.await) as Arc<DynLockBackend> })
+    }
+
+    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
+        Box::pin(async { None })
     }
 }
 

@@ -153,20 +153,59 @@ pub trait LockAdmin: Send + Sync {
     async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError>;
 }
 
-#[async_trait]
-impl<T: LockAdmin + ?Sized> LockAdmin for std::sync::Arc<T> {
-    async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
-        (**self).list_locks(prefix).await
-    }
+/// Implements [`LockAdmin`] for a type by forwarding every function to an
+/// admin it holds, as [`forward_lock_backend!`](crate::forward_lock_backend)
+/// does for the lock steps: for wrappers of a backend (a test namespace, a
+/// deployment mode) whose store is the wrapped one's.
+///
+/// ```
+/// use lock_memory::MemoryBackend;
+///
+/// #[derive(Debug)]
+/// struct Scratch {
+///     backend: MemoryBackend,
+/// }
+///
+/// lock_core::forward_lock_backend!(Scratch => backend);
+/// lock_core::forward_lock_admin!(Scratch => backend);
+/// ```
+#[macro_export]
+macro_rules! forward_lock_admin {
+    ($ty:ty => $field:ident) => {
+        $crate::forward_lock_admin!(@impl [] $ty, this => &this.$field);
+    };
+    (@impl [$($generics:tt)*] $ty:ty, $this:ident => $inner:expr) => {
+        #[$crate::async_trait]
+        impl<$($generics)*> $crate::LockAdmin for $ty {
+            async fn list_locks(
+                &self,
+                prefix: &str,
+            ) -> ::std::result::Result<::std::vec::Vec<$crate::LockInfo>, $crate::BackendError> {
+                let $this = self;
+                $crate::LockAdmin::list_locks($inner, prefix).await
+            }
 
-    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
-        (**self).inspect(key).await
-    }
+            async fn inspect(
+                &self,
+                key: &str,
+            ) -> ::std::result::Result<$crate::LockInfo, $crate::BackendError> {
+                let $this = self;
+                $crate::LockAdmin::inspect($inner, key).await
+            }
 
-    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
-        (**self).force_release(key).await
-    }
+            async fn force_release(
+                &self,
+                key: &str,
+            ) -> ::std::result::Result<::std::option::Option<$crate::LockInfo>, $crate::AdminError>
+            {
+                let $this = self;
+                $crate::LockAdmin::force_release($inner, key).await
+            }
+        }
+    };
 }
+
+forward_lock_admin!(@impl [T: LockAdmin + ?Sized] std::sync::Arc<T>, this => &**this);
 
 #[cfg(test)]
 mod tests {

@@ -30,13 +30,16 @@ use lock_core::{
 };
 use tokio::time::Instant;
 
+mod admin;
+
 /// The core crate, for wrappers and backend authors.
 pub use lock_core;
 /// Everything a user of this backend needs from `lock-core`, re-exported so
 /// that this one dependency is enough and the versions always match.
 pub use lock_core::{
-    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
-    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+    AdminError, BackendError, BackendErrorKind, InvalidInput, LockAdmin, LockConfig, LockContext,
+    LockError, LockHandle, LockInfo, Locker, LockerOptions, LossCause, RetryAttempts,
+    ShutdownReport,
 };
 #[allow(deprecated)]
 pub use lock_core::{Mutex, MutexConfig};
@@ -80,6 +83,8 @@ struct Holder {
     owner: Option<OwnerToken>,
     /// At or before a free entry's release: a free entry reads as expired.
     expires_at: Instant,
+    /// The fencing token of the entry's last acquisition, for the admin.
+    fencing_token: u64,
 }
 
 impl MemoryBackend {
@@ -139,6 +144,7 @@ impl MemoryBackend {
         let holder = Holder {
             owner: Some(owner.clone()),
             expires_at: now + ttl,
+            fencing_token: *fence + 1,
         };
         match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().expires_at > now => {

@@ -1,12 +1,12 @@
-//! Operator functions: which locks are held now, one key's state, and a
-//! forced release. For tools such as the `withlock` command; the lock steps
-//! themselves never use them. Like the steps, each is one autocommit
-//! statement timed by the database clock.
+//! The operator's functions ([`LockAdmin`]) on the lock table. Like the
+//! steps, each is one autocommit statement timed by the database clock.
 
 use std::future::Future;
 use std::time::Duration;
 
-use lock_core::{BackendError, OwnerToken};
+use lock_core::{
+    async_trait, AdminError, BackendError, BackendErrorKind, LockAdmin, LockInfo, OwnerToken,
+};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
@@ -16,59 +16,71 @@ use crate::error::{step_error, step_timeout};
 /// The database's current time, as the lock steps read it.
 const NOW: &str = "WITH now AS (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t)";
 
-/// The remaining time of row `l` in whole microseconds, when it is held.
-const TTL_US: &str = "CASE WHEN l.locked_by IS NOT NULL AND l.locked_until >= now.t \
-     THEN (extract(epoch FROM (l.locked_until - now.t)) * 1000000)::bigint END";
+/// Whether row `l` is held now, as the acquisition sees it: a holder
+/// whose time has not run out (a row without `locked_until` never runs
+/// out).
+const HELD: &str =
+    "(l.locked_by IS NOT NULL AND (l.locked_until IS NULL OR l.locked_until >= now.t))";
 
-/// What the table says about one key, read in one statement.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LockInfo {
-    /// The key (the row's `key`).
-    pub key: String,
-    /// The holder's owner token (`locked_by`), normally
-    /// `<node id>/<32 hex>`; `None` when the key is free or its holder's
-    /// time has run out.
-    pub owner: Option<OwnerToken>,
-    /// How long the lock lives without an extension (`locked_until` minus
-    /// the database's now); `None` when the key is free.
-    pub ttl: Option<Duration>,
-    /// The last fencing token drawn for the key (`sequence`); `None` when
-    /// the key has no row.
-    pub fencing_token: Option<u64>,
+/// The columns every admin statement gives for row `l`, in the order
+/// [`info`] reads them: key, holder, remaining time and time held in whole
+/// microseconds, sequence, and the last holder of a row whose holder's
+/// time ran out.
+fn columns(key: &str) -> String {
+    format!(
+        "{key} AS key, \
+         CASE WHEN {HELD} THEN l.locked_by END AS owner, \
+         CASE WHEN {HELD} THEN (extract(epoch FROM (l.locked_until - now.t)) * 1000000)::bigint END \
+           AS ttl_us, \
+         l.sequence, \
+         CASE WHEN {HELD} THEN (extract(epoch FROM (now.t - l.locked_at)) * 1000000)::bigint END \
+           AS held_for_us, \
+         CASE WHEN NOT {HELD} THEN l.locked_by END AS last_owner"
+    )
 }
 
-impl LockInfo {
-    /// Whether the key is held now.
-    pub fn is_held(&self) -> bool {
-        self.owner.is_some()
-    }
+/// A holder in withlock's owner-token format, `<node id>/<32 hex>`: the
+/// SQL form of [`OwnerToken::is_well_formed`] (tests/admin.rs checks that
+/// both agree).
+pub(crate) const WITHLOCK_HOLDER: &str = "^.+/[0-9A-Fa-f]{32}$";
 
-    /// The node id part of the holder's owner token.
-    pub fn node_id(&self) -> Option<&str> {
-        self.owner.as_ref().map(OwnerToken::node_id)
-    }
-}
+/// A holder as Ruby's Locker gem writes it, `host:<name> pid:<n>
+/// guid:<32 hex>` (or without the host when it cannot be read).
+pub(crate) const RUBY_LOCKER_HOLDER: &str = "^(host:.* )?pid:[0-9]+ guid:[0-9a-f]{32}$";
 
-impl PostgresBackend {
-    /// The locks held now (`locked_by` set, `locked_until` not past) whose
-    /// key starts with `prefix`, ordered by key.
-    ///
-    /// # Errors
-    ///
-    /// The failed statement (a missing table too: run
-    /// [`migrate`](Self::migrate) first), bounded by the statement timeout.
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+/// Lists, inspects and force-releases the rows of the lock table.
+///
+/// - `list_locks`: the rows held now (`locked_by` set, `locked_until` not
+///   past) whose key starts with the prefix, in byte order of the keys
+///   (`COLLATE "C"`, whatever the database's collation).
+/// - `inspect`: one key, with [`LockInfo::held_for`] from `locked_at`,
+///   and [`LockInfo::last_owner`] when the holder's time ran out (a
+///   released row has no holder left to show).
+/// - `force_release`: sets `locked_by = NULL` (keeping the row and its
+///   `sequence`, as a release does) and sends the release notification
+///   as a release does, in one statement that locks the row. It frees
+///   only a lock of the kind withlock takes \[D2\]: a held row with an
+///   expiry (`locked_until`) whose holder is a withlock owner token, or a
+///   Ruby Locker identifier (`host:… pid:… guid:<32 hex>`). The table is
+///   the format both share: withlock waits for Locker's rows and takes
+///   them over at their expiry exactly as its own, so an operator frees
+///   either. A holder of any other form (a row written by hand or by
+///   another program), or a held row without `locked_until` (which no
+///   acquisition would ever take over), is refused with
+///   [`AdminError::NotALock`] and left as it was. A row whose holder's
+///   time ran out is free: nothing changes.
+///
+/// A missing table fails the statement: run
+/// [`migrate`](PostgresBackend::migrate) first.
+#[async_trait]
+impl LockAdmin for PostgresBackend {
+    async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
         let sql = format!(
-            "{NOW} SELECT l.key, l.locked_by, {TTL_US} AS ttl_us, l.sequence \
+            "{NOW} SELECT {columns} \
              FROM {table} AS l CROSS JOIN now \
-             WHERE l.locked_by IS NOT NULL AND l.locked_until >= now.t \
-               AND left(l.key, char_length($1)) = $1 \
-             ORDER BY l.key",
+             WHERE {HELD} AND left(l.key, char_length($1)) = $1 \
+             ORDER BY l.key COLLATE \"C\"",
+            columns = columns("l.key"),
             table = self.qualified_table()
         );
         let rows = self
@@ -80,22 +92,11 @@ impl PostgresBackend {
         rows.iter().map(info).collect()
     }
 
-    /// The state of `key`: its holder and remaining ttl if it is held, and
-    /// its last fencing token.
-    ///
-    /// # Errors
-    ///
-    /// The failed statement, bounded by the statement timeout.
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let sql = format!(
-            "{NOW} SELECT $1::text AS key, \
-               CASE WHEN l.locked_until >= now.t THEN l.locked_by END AS locked_by, \
-               {TTL_US} AS ttl_us, l.sequence \
+            "{NOW} SELECT {columns} \
              FROM now LEFT JOIN {table} AS l ON l.key = $1",
+            columns = columns("$1::text"),
             table = self.qualified_table()
         );
         let row = self
@@ -107,51 +108,69 @@ impl PostgresBackend {
         info(&row)
     }
 
-    /// Frees `key` whoever holds it (`locked_by = NULL`, keeping the row and
-    /// its `sequence`, as a release does) and sends the release
-    /// notification. Gives the holder it freed, or `None` when the key was
-    /// free (a holder whose time had run out is cleared too, but was not
-    /// holding it).
-    ///
-    /// The holder is not told: its next extension finds the row no longer
-    /// its own and its call ends with a lost lock. Meant for a holder that
-    /// is known to be dead, whose lock would otherwise last until its ttl.
-    ///
-    /// # Errors
-    ///
-    /// The failed statement, bounded by the statement timeout; the key may
-    /// or may not have been freed then.
-    ///
-    /// # Cancel safety
-    ///
-    /// A dropped call may or may not have freed the key, never half.
-    pub async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, BackendError> {
+    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let notify = self.config().release_notifications;
-        let announce = if notify { ", pg_notify($2, l.key)" } else { "" };
-        // `old` locks the row and keeps its values; the update runs in the
-        // same statement, on the same snapshot.
+        // pg_notify runs once per row `cleared` returns, and only then:
+        // the scalar subquery reads the data-modifying CTE's rows.
+        let announce = if notify {
+            "(SELECT count(*) FROM (SELECT pg_notify($2, c.key) FROM cleared AS c) AS n)"
+        } else {
+            "0::bigint"
+        };
+        // `old` locks the row; `verdict` judges it and `cleared` frees it
+        // in the same statement, on the same snapshot, so nothing can
+        // change the row in between. The outer select shows the row as it
+        // was before.
         let sql = format!(
             "{NOW}, \
-             old AS (SELECT key, locked_by, locked_until, sequence FROM {table} \
-                     WHERE key = $1 AND locked_by IS NOT NULL FOR UPDATE), \
-             cleared AS (UPDATE {table} AS t SET locked_by = NULL FROM old \
-                         WHERE t.key = old.key RETURNING t.key) \
-             SELECT l.key, CASE WHEN l.locked_until >= now.t THEN l.locked_by END AS locked_by, \
-               {TTL_US} AS ttl_us, l.sequence{announce} \
-             FROM old AS l JOIN cleared AS c ON c.key = l.key CROSS JOIN now",
+             old AS (SELECT key, locked_by, locked_at, locked_until, sequence FROM {table} \
+                     WHERE key = $1 FOR UPDATE), \
+             verdict AS (SELECT l.*, CASE \
+                 WHEN NOT {HELD} THEN 'free' \
+                 WHEN l.locked_until IS NULL THEN 'no-expiry' \
+                 WHEN l.locked_by ~ '{WITHLOCK_HOLDER}' OR l.locked_by ~ '{RUBY_LOCKER_HOLDER}' \
+                   THEN 'freed' \
+                 ELSE 'format' END AS verdict \
+               FROM old AS l CROSS JOIN now), \
+             cleared AS (UPDATE {table} AS t SET locked_by = NULL FROM verdict AS v \
+                         WHERE t.key = v.key AND v.verdict = 'freed' RETURNING t.key) \
+             SELECT {columns}, l.verdict, {announce} AS announced \
+             FROM verdict AS l CROSS JOIN now",
+            columns = columns("l.key"),
             table = self.qualified_table()
         );
         let mut query = sqlx::query(&sql).bind(key);
         if notify {
             query = query.bind(&self.config().channel);
         }
-        let row = self
+        let Some(row) = self
             .admin_step("force release", query.fetch_optional(self.pool()))
-            .await?;
-        let freed = row.as_ref().map(info).transpose()?;
-        Ok(freed.filter(LockInfo::is_held))
+            .await?
+        else {
+            return Ok(None);
+        };
+        let read = info(&row)?;
+        let verdict: String = row.try_get("verdict").map_err(step_error)?;
+        let found = match verdict.as_str() {
+            "freed" => return Ok(Some(read)),
+            "free" => return Ok(None),
+            "no-expiry" => "a held row without locked_until (no expiry)",
+            "format" => "a holder in neither withlock's owner-token format nor Ruby Locker's",
+            other => {
+                return Err(AdminError::Backend(BackendError::message(
+                    BackendErrorKind::Protocol,
+                    format!("the force release statement answered {other:?}"),
+                )))
+            }
+        };
+        Err(AdminError::NotALock {
+            key: read.key,
+            found: found.to_owned(),
+        })
     }
+}
 
+impl PostgresBackend {
     /// Runs one statement within the statement timeout.
     async fn admin_step<T>(
         &self,
@@ -166,18 +185,20 @@ impl PostgresBackend {
     }
 }
 
-/// A [`LockInfo`] from a row of `(key, locked_by, ttl_us, sequence)`, where
-/// `locked_by` is already `NULL` for an expired holder.
+/// A [`LockInfo`] from the [`columns`] of a row.
 fn info(row: &PgRow) -> Result<LockInfo, BackendError> {
     let key: String = row.try_get(0).map_err(step_error)?;
-    let locked_by: Option<String> = row.try_get(1).map_err(step_error)?;
+    let owner: Option<String> = row.try_get(1).map_err(step_error)?;
     let ttl_us: Option<i64> = row.try_get(2).map_err(step_error)?;
     let sequence: Option<i64> = row.try_get(3).map_err(step_error)?;
-    let ttl = ttl_us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
-    Ok(LockInfo {
-        key,
-        owner: locked_by.map(OwnerToken::from_value),
-        ttl,
-        fencing_token: sequence.and_then(|s| u64::try_from(s).ok()),
-    })
+    let held_for_us: Option<i64> = row.try_get(4).map_err(step_error)?;
+    let last_owner: Option<String> = row.try_get(5).map_err(step_error)?;
+    // Negative only for a clock that stepped back since: counted as zero.
+    let micros = |us: i64| Duration::from_micros(u64::try_from(us).unwrap_or(0));
+    let info = match owner {
+        Some(owner) => LockInfo::held(key, OwnerToken::from_value(owner), ttl_us.map(micros))
+            .with_held_for(held_for_us.map(micros)),
+        None => LockInfo::free(key).with_last_owner(last_owner.map(OwnerToken::from_value)),
+    };
+    Ok(info.with_fencing_token(sequence.and_then(|s| u64::try_from(s).ok())))
 }

@@ -128,7 +128,6 @@ mod sql;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use admin::LockInfo;
 pub use backend::{PostgresBackend, MAX_EXTEND_BATCH};
 pub use config::{quote_identifier, PostgresConfig, MAX_IDENTIFIER_LEN};
 pub use error::SetupError;
@@ -141,8 +140,9 @@ pub use lock_core;
 /// Everything a user of this backend needs from `lock-core`, re-exported so
 /// that this one dependency is enough and the versions always match.
 pub use lock_core::{
-    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
-    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+    AdminError, BackendError, BackendErrorKind, InvalidInput, LockAdmin, LockConfig, LockContext,
+    LockError, LockHandle, LockInfo, Locker, LockerOptions, LossCause, RetryAttempts,
+    ShutdownReport,
 };
 #[allow(deprecated)]
 pub use lock_core::{Mutex, MutexConfig};

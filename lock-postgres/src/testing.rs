@@ -315,6 +315,7 @@ impl fmt::Debug for TestBackend {
 }
 
 lock_core::forward_lock_backend!(TestBackend => backend);
+lock_core::forward_lock_admin!(TestBackend => backend);
 
 /// Terminates the connections whose `application_name` is `name`, with
 /// `pg_terminate_backend`, from a connection of its own to `url`. Returns

@@ -1,10 +1,9 @@
 -- Reads one lock for an operator, whatever the types of its keys: what the
--- lock key holds, its remaining ttl, and the fencing counter.
+-- lock key holds, its remaining ttl, and the fencing counter. Changes
+-- nothing.
 --
 -- KEYS[1]  the lock key
 -- KEYS[2]  its fencing companion (same hash slot)
--- ARGV[1]  if present, the release channel: the lock key is then deleted
---          and the release published (a forced release)
 --
 -- Returns { value, pttl, counter }: a value is the string the key holds,
 -- nil when there is no key, or `<type>` for a key of another type (a
@@ -19,9 +18,4 @@ local function read(key)
     end
     return '<' .. kind .. '>'
 end
-local answer = { read(KEYS[1]), redis.call('PTTL', KEYS[1]), read(KEYS[2]) }
-if ARGV[1] then
-    redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[1], KEYS[1])
-end
-return answer
+return { read(KEYS[1]), redis.call('PTTL', KEYS[1]), read(KEYS[2]) }

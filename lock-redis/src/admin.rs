@@ -1,99 +1,70 @@
-//! Operator functions: which locks are held now, one key's state, and a
-//! forced release. For tools such as the `withlock` command; the lock steps
-//! themselves never use them.
+//! The operator's functions ([`LockAdmin`]) on one Redis server, also
+//! behind Sentinel; what the Redis Cluster backend shares with them (the
+//! scripts, reading their answers, finding locks by their companions).
 
 use std::future::Future;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use lock_core::{BackendError, BackendErrorKind, OwnerToken};
+use lock_core::{
+    async_trait, AdminError, BackendError, BackendErrorKind, LockAdmin, LockInfo, OwnerToken,
+};
 
 use crate::backend::{map_redis_error, RedisBackend};
 use crate::slot::{fence_key, FENCE_INFIX};
 
-/// Reads a lock key, its ttl and its companion whatever their types, and
-/// with a channel as its argument also frees the key (a forced release).
-const READ_LUA: &str = include_str!("../lua/admin_read.lua");
-static READ: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(READ_LUA));
+/// Reads a lock key, its ttl and its companion whatever their types.
+pub(crate) const READ_LUA: &str = include_str!("../lua/admin_read.lua");
+pub(crate) static READ: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(READ_LUA));
+/// Frees a lock of withlock's format and announces it, in one script run.
+pub(crate) const FORCE_RELEASE_LUA: &str = include_str!("../lua/admin_force_release.lua");
+pub(crate) static FORCE_RELEASE: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(FORCE_RELEASE_LUA));
 
 /// How many keys one `SCAN` step asks for, and how many locks one pipeline
 /// of reads carries.
-const BATCH: usize = 500;
+pub(crate) const BATCH: usize = 500;
 
-/// What the store says about one key, read in one go.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LockInfo {
-    /// The key, as given to `with_lock` (without the backend's prefix).
-    pub key: String,
-    /// The value the lock key holds, normally `<node id>/<32 hex>`, or
-    /// `<hash>` (the key's type) for a key of another type, as a client that
-    /// keeps its locks in a hash makes; `None` when the key is free.
-    pub owner: Option<OwnerToken>,
-    /// How long the lock lives without an extension; `None` when the key
-    /// is free, or when its value was set without an expiry (not by
-    /// withlock).
-    pub ttl: Option<Duration>,
-    /// The last fencing token drawn for the key (its companion counter);
-    /// `None` when no token was ever drawn.
-    pub fencing_token: Option<u64>,
-}
+/// The answer of `admin_read.lua`: the lock key's value (or `<type>`), its
+/// `PTTL`, and the companion's value.
+pub(crate) type Read = (Option<String>, i64, Option<String>);
 
-impl LockInfo {
-    /// Whether the key is held now.
-    pub fn is_held(&self) -> bool {
-        self.owner.is_some()
-    }
+/// The answer of `admin_force_release.lua`: its verdict, then what it read.
+pub(crate) type Forced = (String, Option<String>, i64, Option<String>);
 
-    /// The node id part of the holder's owner token.
-    pub fn node_id(&self) -> Option<&str> {
-        self.owner.as_ref().map(OwnerToken::node_id)
-    }
-}
-
-impl RedisBackend {
-    /// The locks held now whose key starts with `prefix`, ordered by key,
-    /// each with its holder, remaining ttl and last fencing token.
-    ///
-    /// Keys are found through their fencing companions
-    /// (`{T}:withlock-fence:<key>`) with `SCAN … MATCH`, never `KEYS`, so
-    /// the server is not blocked; a lock set by another client of the same
-    /// wire format that never drew a token is not listed. As with any
-    /// `SCAN`, a key taken or freed during the listing may or may not
-    /// appear.
-    ///
-    /// # Errors
-    ///
-    /// The first failed round trip, each bounded by the command timeout.
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+/// Lists, inspects and force-releases locks on the server (in Sentinel
+/// mode, on the primary the Sentinels name).
+///
+/// - `list_locks` finds keys through their fencing companions
+///   (`{T}:withlock-fence:<key>`) with `SCAN … MATCH`, never `KEYS`, so
+///   the server is not blocked; a lock set by another client of the same
+///   wire format that never drew a token is not listed. As with any
+///   `SCAN`, a key taken or freed during the listing may or may not
+///   appear.
+/// - `inspect` reads the key, its ttl and its companion in one script run
+///   (they share a hash slot). A key of another type, as a client that
+///   keeps its locks in a hash makes, shows as held by `<hash>`.
+/// - `force_release` deletes the key only if it is a string holding an
+///   owner token (`<node id>/<32 hex>`), with an expiry and a fencing
+///   companion, and then publishes the release on [`RedisBackend::channel`]
+///   so that waiters try at once; anything else is refused with
+///   [`AdminError::NotALock`] and left as it was. Check, delete and
+///   publish are one script run. The fencing counter stays, so tokens keep
+///   increasing.
+///
+/// Each call is one or more round trips, each bounded by the command
+/// timeout.
+#[async_trait]
+impl LockAdmin for RedisBackend {
+    async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
         let redis_prefix = self.lock_key(prefix).into_owned();
-        let pattern = format!("*{FENCE_INFIX}{}*", glob_escape(&redis_prefix));
+        let pattern = companion_pattern(&redis_prefix);
         let mut keys = Vec::new();
         let mut cursor: u64 = 0;
         loop {
-            let (next, batch): (u64, Vec<Vec<u8>>) = self
-                .admin_query(
-                    "scan",
-                    redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(&pattern)
-                        .arg("COUNT")
-                        .arg(BATCH),
-                )
-                .await?;
-            keys.extend(
-                batch
-                    .iter()
-                    .filter_map(|fence| std::str::from_utf8(fence).ok())
-                    .filter_map(lock_key_of_fence)
-                    .filter(|key| key.starts_with(&redis_prefix))
-                    .map(str::to_owned),
-            );
+            let (next, batch): (u64, Vec<Vec<u8>>) =
+                self.admin_query("scan", &scan(cursor, &pattern)).await?;
+            keys.extend(locks_of_companions(&batch, &redis_prefix));
             if next == 0 {
                 break;
             }
@@ -112,6 +83,7 @@ impl RedisBackend {
                 redis::cmd("SCRIPT").arg("LOAD").arg(READ_LUA),
             )
             .await?;
+        let prefix = self.config().prefix.as_str();
         for chunk in keys.chunks(BATCH) {
             let mut pipe = redis::pipe();
             for key in chunk {
@@ -121,10 +93,9 @@ impl RedisBackend {
                     .arg(key)
                     .arg(fence_key(key));
             }
-            let answers: Vec<(Option<String>, i64, Option<String>)> =
-                self.admin_query("read", &pipe).await?;
+            let answers: Vec<Read> = self.admin_query("read", &pipe).await?;
             for (key, answer) in chunk.iter().zip(answers) {
-                let info = self.info(key, answer)?;
+                let info = info(prefix, key, answer)?;
                 if info.is_held() {
                     held.push(info);
                 }
@@ -133,66 +104,33 @@ impl RedisBackend {
         Ok(held)
     }
 
-    /// The state of `key`: its holder and remaining ttl if it is held, and
-    /// its last fencing token, read in one script run (the lock key and its
-    /// companion share a hash slot). A key of another type, as a client
-    /// that keeps its locks in a hash makes, shows as held by `<hash>`.
-    ///
-    /// # Errors
-    ///
-    /// The failed round trip, bounded by the command timeout.
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
             .run_script("inspect", &READ, &[&lock_key, &fence], &[])
             .await?;
-        self.info(&lock_key, answer)
+        info(&self.config().prefix, &lock_key, answer)
     }
 
-    /// Frees `key` whoever holds it, and publishes the release so that
-    /// waiters try at once. Gives what the key held just before, or `None`
-    /// when it was free. The fencing counter stays, so tokens keep
-    /// increasing.
-    ///
-    /// The holder is not told: its next extension finds the key gone and
-    /// its call ends with a lost lock. Meant for a holder that is known to
-    /// be dead, whose lock would otherwise last until its ttl.
-    ///
-    /// One script run that reads the key as [`inspect`](Self::inspect)
-    /// does, then deletes it, whatever its type, and publishes the release
-    /// (even when the key was free: waiters then try once more, which is
-    /// harmless).
-    ///
-    /// # Errors
-    ///
-    /// The failed round trip, bounded by the command timeout; the key may
-    /// or may not have been freed then.
-    ///
-    /// # Cancel safety
-    ///
-    /// A dropped call may or may not have freed the key.
-    pub async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, BackendError> {
+    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
             .run_script(
                 "force release",
-                &READ,
+                &FORCE_RELEASE,
                 &[&lock_key, &fence],
-                &[self.channel()],
+                &["PUBLISH", self.channel()],
             )
             .await?;
-        let info = self.info(&lock_key, answer)?;
-        Ok(info.is_held().then_some(info))
+        forced(&self.config().prefix, &lock_key, answer)
     }
+}
 
-    /// Runs one command or pipeline on a pooled connection, bounded by the
-    /// command timeout.
+impl RedisBackend {
+    /// Runs one command or pipeline on the backend's connection, bounded
+    /// by the command timeout.
     async fn admin_query<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
@@ -207,44 +145,105 @@ impl RedisBackend {
         })
         .await
     }
+}
 
-    /// A [`LockInfo`] from `GET key`, `PTTL key` and `GET counter`.
-    fn info(
-        &self,
-        lock_key: &str,
-        (value, pttl, fence): (Option<String>, i64, Option<String>),
-    ) -> Result<LockInfo, BackendError> {
-        let key = lock_key
-            .strip_prefix(self.config().prefix.as_str())
-            .unwrap_or(lock_key)
-            .to_owned();
-        let fencing_token = fence
-            .map(|v| {
-                v.parse::<u64>().map_err(|_| {
-                    BackendError::message(
-                        BackendErrorKind::Protocol,
-                        format!("the fencing counter of {key:?} is not a number"),
-                    )
-                })
+/// `SCAN cursor MATCH pattern COUNT BATCH`.
+pub(crate) fn scan(cursor: u64, pattern: &str) -> redis::Cmd {
+    let mut cmd = redis::cmd("SCAN");
+    cmd.arg(cursor)
+        .arg("MATCH")
+        .arg(pattern)
+        .arg("COUNT")
+        .arg(BATCH);
+    cmd
+}
+
+/// The `SCAN … MATCH` pattern of the companions of the Redis keys starting
+/// with `redis_prefix`.
+pub(crate) fn companion_pattern(redis_prefix: &str) -> String {
+    format!("*{FENCE_INFIX}{}*", glob_escape(redis_prefix))
+}
+
+/// The lock keys starting with `redis_prefix` among `found`, the keys a
+/// `SCAN` for companions gave.
+pub(crate) fn locks_of_companions<'a>(
+    found: &'a [Vec<u8>],
+    redis_prefix: &'a str,
+) -> impl Iterator<Item = String> + 'a {
+    found
+        .iter()
+        .filter_map(|fence| std::str::from_utf8(fence).ok())
+        .filter_map(lock_key_of_fence)
+        .filter(move |key| key.starts_with(redis_prefix))
+        .map(str::to_owned)
+}
+
+/// A [`LockInfo`] from `admin_read.lua`'s answer for `lock_key`, a key of a
+/// backend whose keys carry `prefix`.
+pub(crate) fn info(
+    prefix: &str,
+    lock_key: &str,
+    (value, pttl, fence): Read,
+) -> Result<LockInfo, BackendError> {
+    let key = lock_key.strip_prefix(prefix).unwrap_or(lock_key);
+    let fencing_token = fence
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                BackendError::message(
+                    BackendErrorKind::Protocol,
+                    format!("the fencing counter of {key:?} is not a number"),
+                )
             })
-            .transpose()?;
-        // PTTL: -2 the key is gone (it may have expired since GET in a
-        // pipeline that is not atomic), -1 no expiry.
-        let (owner, ttl) = match (value, pttl) {
-            (Some(_), -2) | (None, _) => (None, None),
-            (Some(value), -1) => (Some(OwnerToken::from_value(value)), None),
-            (Some(value), ms) => (
-                Some(OwnerToken::from_value(value)),
-                Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
-            ),
-        };
-        Ok(LockInfo {
-            key,
-            owner,
-            ttl,
-            fencing_token,
         })
-    }
+        .transpose()?;
+    // PTTL: -2 the key is gone (it may have expired since GET in a
+    // pipeline that is not atomic), -1 no expiry.
+    let info = match (value, pttl) {
+        (Some(_), -2) | (None, _) => LockInfo::free(key),
+        (Some(value), -1) => LockInfo::held(key, OwnerToken::from_value(value), None),
+        (Some(value), ms) => LockInfo::held(
+            key,
+            OwnerToken::from_value(value),
+            Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+        ),
+    };
+    Ok(info.with_fencing_token(fencing_token))
+}
+
+/// What `admin_force_release.lua` answered for `lock_key`: what it freed,
+/// `None` for a free key, or why it refused.
+pub(crate) fn forced(
+    prefix: &str,
+    lock_key: &str,
+    (verdict, value, pttl, fence): Forced,
+) -> Result<Option<LockInfo>, AdminError> {
+    let read = info(prefix, lock_key, (value, pttl, fence))?;
+    let found = match verdict.as_str() {
+        "freed" => return Ok(Some(read)),
+        "free" => return Ok(None),
+        "type" => match read.owner.as_ref().map(OwnerToken::as_str) {
+            Some("<list>") => "a list".to_owned(),
+            Some("<hash>") => "a hash".to_owned(),
+            Some("<set>") => "a set".to_owned(),
+            Some("<zset>") => "a sorted set".to_owned(),
+            Some("<stream>") => "a stream".to_owned(),
+            Some(other) => format!("a key of type {}", other.trim_matches(['<', '>'])),
+            None => "a key of another type".to_owned(),
+        },
+        "no-expiry" => "a string without an expiry".to_owned(),
+        "format" => "a value not in withlock's owner-token format".to_owned(),
+        "no-fence" => "an owner token without withlock's fencing companion".to_owned(),
+        other => {
+            return Err(AdminError::Backend(BackendError::message(
+                BackendErrorKind::Protocol,
+                format!("the force release script answered {other:?}"),
+            )))
+        }
+    };
+    Err(AdminError::NotALock {
+        key: read.key,
+        found,
+    })
 }
 
 /// A command or a pipeline, sent the same way.

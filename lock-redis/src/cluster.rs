@@ -241,7 +241,11 @@ impl RedisClusterBackend {
     /// connection included; forgets the connection after an error that may
     /// mean it is broken (a timeout, a lost or refused node connection), so
     /// that the next step connects afresh and reads the topology again.
-    async fn bounded<T, F, Fut>(&self, step: &'static str, work: F) -> Result<T, BackendError>
+    pub(crate) async fn bounded<T, F, Fut>(
+        &self,
+        step: &'static str,
+        work: F,
+    ) -> Result<T, BackendError>
     where
         F: FnOnce(ClusterConnection) -> Fut,
         Fut: Future<Output = Result<T, BackendError>>,
@@ -277,7 +281,10 @@ impl RedisClusterBackend {
     }
 
     /// The slot map, read with `CLUSTER SLOTS` when there is none.
-    async fn slot_map(&self, conn: &mut ClusterConnection) -> Result<Arc<SlotMap>, BackendError> {
+    pub(crate) async fn slot_map(
+        &self,
+        conn: &mut ClusterConnection,
+    ) -> Result<Arc<SlotMap>, BackendError> {
         if let Some(map) = self
             .inner
             .slots
@@ -424,8 +431,8 @@ fn parse_urls<T: AsRef<str>>(
 
 /// A Lua script with its source, so that it can be loaded on one node.
 pub(crate) struct Lua {
-    code: &'static str,
-    script: &'static LazyLock<Script>,
+    pub(crate) code: &'static str,
+    pub(crate) script: &'static LazyLock<Script>,
 }
 
 static ACQUIRE_SCRIPT: Lua = Lua {
@@ -504,7 +511,7 @@ async fn load(conn: &mut ClusterConnection, lua: &Lua, target: &Target) -> redis
 /// `EVALSHA` of `lua` on the master of `keys[0]`'s slot: after `NOSCRIPT`
 /// the script is loaded there and sent again, after `MOVED` / `ASK` it is
 /// sent where the answer points. Neither answer means the script ran.
-async fn eval(
+pub(crate) async fn eval(
     conn: &mut ClusterConnection,
     lua: &Lua,
     keys: &[&str],
@@ -661,11 +668,11 @@ impl Link {
 }
 
 /// A node's `(host, port)`.
-type Node = (String, u16);
+pub(crate) type Node = (String, u16);
 
 /// Which master serves each slot, from `CLUSTER SLOTS`.
 #[derive(Debug, Default)]
-struct SlotMap {
+pub(crate) struct SlotMap {
     /// `(first slot, last slot, master)`, the master `None` when the
     /// cluster announces no usable address for it.
     ranges: Vec<(u16, u16, Option<Node>)>,
@@ -704,6 +711,18 @@ impl SlotMap {
             ranges.push((first, last, host.zip(port)));
         }
         Ok(Self { ranges })
+    }
+
+    /// Every master that serves a slot, once each; `None` stands for the
+    /// masters of ranges the cluster announces no usable address for.
+    pub(crate) fn masters(&self) -> Vec<Option<Node>> {
+        let mut masters: Vec<Option<Node>> = Vec::new();
+        for (_, _, master) in &self.ranges {
+            if !masters.contains(master) {
+                masters.push(master.clone());
+            }
+        }
+        masters
     }
 
     fn master_of(&self, slot: u16) -> Option<(String, u16)> {

@@ -162,6 +162,7 @@ mod admin;
 mod backend;
 mod batch;
 mod cluster;
+mod cluster_admin;
 mod cluster_check;
 mod cluster_subscription;
 mod config;
@@ -172,7 +173,6 @@ mod subscription;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use admin::LockInfo;
 pub use backend::{RedisBackend, CHANNEL};
 pub use cluster::RedisClusterBackend;
 pub use config::{RedisConfig, SetupError};
@@ -186,8 +186,9 @@ pub use lock_core;
 /// Everything a user of this backend needs from `lock-core`, re-exported so
 /// that this one dependency is enough and the versions always match.
 pub use lock_core::{
-    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
-    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
+    AdminError, BackendError, BackendErrorKind, InvalidInput, LockAdmin, LockConfig, LockContext,
+    LockError, LockHandle, LockInfo, Locker, LockerOptions, LossCause, RetryAttempts,
+    ShutdownReport,
 };
 #[allow(deprecated)]
 pub use lock_core::{Mutex, MutexConfig};

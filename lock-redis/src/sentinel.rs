@@ -9,7 +9,6 @@ use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::{ConnectionInfo, ErrorKind};
 
-use crate::admin::LockInfo;
 use crate::backend::{map_redis_error, RedisBackend};
 use crate::config::{RedisConfig, SetupError};
 
@@ -92,6 +91,9 @@ pub struct RedisSentinelBackend {
 }
 
 lock_core::forward_lock_backend!(RedisSentinelBackend => backend);
+// The admin functions of the backend it wraps, on the primary the
+// Sentinels name (see `impl LockAdmin for RedisBackend`).
+lock_core::forward_lock_admin!(RedisSentinelBackend => backend);
 
 impl RedisSentinelBackend {
     /// A backend on the primary that the Sentinels at `sentinel_urls`
@@ -224,33 +226,6 @@ impl RedisSentinelBackend {
     /// Whether the release subscription is in place now.
     pub fn is_subscribed(&self) -> bool {
         self.backend.is_subscribed()
-    }
-
-    /// The locks held now whose key starts with `prefix` (see
-    /// [`RedisBackend::list_locks`]).
-    ///
-    /// # Errors
-    ///
-    /// As [`RedisBackend::list_locks`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
-        self.backend.list_locks(prefix).await
-    }
-
-    /// The state of `key` (see [`RedisBackend::inspect`]).
-    ///
-    /// # Errors
-    ///
-    /// As [`RedisBackend::inspect`].
-    ///
-    /// # Cancel safety
-    ///
-    /// Read only: dropping the future changes nothing.
-    pub async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
-        self.backend.inspect(key).await
     }
 }
 

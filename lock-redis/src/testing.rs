@@ -609,3 +609,4 @@ impl Deref for ScratchBackend {
 }
 
 lock_core::forward_lock_backend!(ScratchBackend => backend);
+lock_core::forward_lock_admin!(ScratchBackend => backend);

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::{key_type, node, raw, subscriber, take_as_a_hash, within};
 use lock_core::{LockConfig, LockError};
 use lock_redis::testing::{server_url, Namespace};
-use lock_redis::RedisBackend;
+use lock_redis::{AdminError, LockAdmin, RedisBackend};
 use redis::AsyncCommands;
 
 const LIMIT: Duration = Duration::from_secs(10);
@@ -221,7 +221,8 @@ fn assert_busy(got: &Result<(), LockError>) {
 
 /// The operator's reads see a key another client keeps its lock in as a
 /// hash: `inspect` and `list_locks` show it held by `<hash>`, with its ttl,
-/// instead of failing on the type, and `force_release` frees it.
+/// instead of failing on the type; `force_release` refuses it, as it is no
+/// lock of withlock's format, and leaves it \[D2\].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_reads_show_a_lock_kept_in_a_hash() {
     let url = server_url().await;
@@ -254,24 +255,12 @@ async fn operator_reads_show_a_lock_kept_in_a_hash() {
     assert_eq!(listed[0].node_id(), Some("<hash>"));
     assert_eq!(listed[1].node_id(), Some("a"));
 
-    let freed = backend.force_release(&foreign).await.unwrap();
-    assert_eq!(
-        freed
-            .and_then(|i| i.owner)
-            .map(|o| o.as_str().to_owned())
-            .as_deref(),
-        Some("<hash>")
+    let refused = backend.force_release(&foreign).await;
+    assert!(
+        matches!(&refused, Err(AdminError::NotALock { found, .. }) if found == "a hash"),
+        "{refused:?}"
     );
-    assert_eq!(key_type(&mut conn, &foreign).await, "none");
-    assert!(!backend.inspect(&foreign).await.unwrap().is_held());
-    // A free key: nothing to give back, and the counter stays.
-    let again = backend.force_release(&foreign).await.unwrap();
-    assert!(again.is_none());
-    assert!(backend
-        .inspect(&foreign)
-        .await
-        .unwrap()
-        .fencing_token
-        .is_some());
+    assert_eq!(key_type(&mut conn, &foreign).await, "hash");
+    assert!(backend.inspect(&foreign).await.unwrap().is_held());
     assert!(handle.release().await.unwrap());
 }

@@ -1,7 +1,11 @@
-//! `withlock list`, `inspect` and `release`: what the store holds now.
+//! `withlock list`, `inspect` and `release`: what the store holds now,
+//! through the store's [`LockAdmin`](lock_core::LockAdmin) alone, so every
+//! backend and deployment has the same commands \[D1\].
+
+use lock_core::AdminError;
 
 use crate::args::{InspectArgs, ListArgs, ReleaseArgs};
-use crate::exit::{Failure, USAGE};
+use crate::exit::{Failure, NOT_A_LOCK, USAGE};
 use crate::format::{details, table, ttl_text, view_json, Shown};
 use crate::store::{Scheme, Store};
 
@@ -10,7 +14,8 @@ pub(crate) async fn list(args: ListArgs) -> Result<u8, Failure> {
     Scheme::of(&args.store.url)?;
     let store = Store::open(&args.store).await?;
     let views = store
-        .list(&args.prefix)
+        .admin()
+        .list_locks(&args.prefix)
         .await
         .map_err(|e| Failure::unavailable(store.name(), &e))?;
     if args.json {
@@ -29,6 +34,7 @@ pub(crate) async fn inspect(args: InspectArgs) -> Result<u8, Failure> {
     Scheme::of(&args.store.url)?;
     let store = Store::open(&args.store).await?;
     let view = store
+        .admin()
         .inspect(&args.key)
         .await
         .map_err(|e| Failure::unavailable(store.name(), &e))?;
@@ -40,7 +46,8 @@ pub(crate) async fn inspect(args: InspectArgs) -> Result<u8, Failure> {
     Ok(0)
 }
 
-/// `withlock release --force`: frees a key whoever holds it.
+/// `withlock release --force`: frees a key whoever holds it, if it is a
+/// withlock lock; anything else is refused (exit 65) and left as it was.
 pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
     if !args.force {
         return Err(Failure::new(
@@ -53,10 +60,15 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
     }
     Scheme::of(&args.store.url)?;
     let store = Store::open(&args.store).await?;
-    let freed = store
-        .force_release(&args.key)
-        .await
-        .map_err(|e| Failure::unavailable(store.name(), &e))?;
+    let freed = match store.admin().force_release(&args.key).await {
+        Ok(freed) => freed,
+        // Not a lock of withlock's format: said, and left untouched [D2].
+        Err(refused @ AdminError::NotALock { .. }) => {
+            return Err(Failure::new(NOT_A_LOCK, refused.to_string()))
+        }
+        Err(AdminError::Backend(e)) => return Err(Failure::unavailable(store.name(), &e)),
+        Err(other) => return Err(Failure::unavailable(store.name(), &other)),
+    };
     match freed {
         Some(view) => {
             let node = view.node_id().unwrap_or_default();

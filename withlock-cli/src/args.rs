@@ -19,14 +19,25 @@ Exit codes of `withlock run`:
          SIGTERM, then SIGKILL after --grace, whatever it then returned
   126    the command could not be executed; 127: it was not found
   128+S  withlock got signal S while waiting; the command did not run
-Admin commands exit 0, 64 or 69.";
+Admin commands exit 0, 64 or 69; `release --force` exits 65 (EX_DATAERR)
+when the key is not a withlock lock (a list, a hash, a value without an
+expiry or of another format): it was left untouched.";
 
 /// Where the locks are: the backend URL and its table or prefix.
 const STORE_HELP: &str = "\
 Backends, by URL scheme:
-  redis://, rediss://         the lock is the Redis key itself
-  postgres://, postgresql://  one row per key in a table (created if missing
-                              by `withlock run`); see --schema and --table";
+  redis://[user:pass@]host:port[/db], rediss://…
+      one Redis server: the lock is the Redis key itself
+  redis+cluster://[user:pass@]host:port[,host:port…], rediss+cluster://…
+      a Redis Cluster (7.0 or later), found from any of its nodes; the
+      user and password are used on every node
+  redis+sentinel://[user:pass@]host:port[,host:port…]/MASTER
+      the primary that the Sentinels at host:port name MASTER (the user and
+      password are the Sentinels'; the primary is reached without one)
+  postgres://, postgresql://
+      one row per key in a table (created if missing by `withlock run`);
+      see --schema and --table
+Every backend has the same list, inspect and release commands.";
 
 /// Run a command while holding a lock across every host that shares the
 /// lock backend, and administer those locks.
@@ -60,17 +71,23 @@ pub(crate) enum Command {
     Inspect(InspectArgs),
     /// Free a key whoever holds it (needs --force), printing who held it.
     ///
-    /// The holder is not told before its next extension, which then finds
-    /// the lock gone: meant for a holder known to be dead.
-    #[command(after_long_help = STORE_HELP)]
+    /// Only a withlock lock is freed (on Redis: a string holding an owner
+    /// token `<node id>/<32 hex>`, with an expiry and a fencing counter; on
+    /// PostgreSQL: a held row of withlock or Ruby Locker, with
+    /// locked_until). Anything else is refused with exit 65 and left as it
+    /// was. The release is announced as a release is, so waiters take the
+    /// key at once; the holder finds the lock gone at its next extension:
+    /// meant for a holder known to be dead.
+    #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
     Release(ReleaseArgs),
 }
 
 /// The lock backend's URL and settings, common to every subcommand.
 #[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
-    /// The lock backend: redis://, rediss://, postgres:// or postgresql://
-    /// (never printed: it may hold a password).
+    /// The lock backend: redis://, rediss://, redis+cluster://,
+    /// rediss+cluster://, redis+sentinel://, postgres:// or postgresql://
+    /// (see below; never printed: it may hold a password).
     #[arg(long, env = "WITHLOCK_URL", value_name = "URL", hide_env_values = true)]
     pub(crate) url: String,
     /// PostgreSQL only: the schema of the lock table (it must exist).

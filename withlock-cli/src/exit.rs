@@ -8,6 +8,9 @@ pub(crate) const USAGE: u8 = 64;
 /// The backend could not be reached or failed; the command did not run
 /// (`EX_UNAVAILABLE`).
 pub(crate) const UNAVAILABLE: u8 = 69;
+/// `release --force` refused: the key is not a withlock lock and was left
+/// untouched (`EX_DATAERR`: the key's data is not what was asked for).
+pub(crate) const NOT_A_LOCK: u8 = 65;
 /// A bug or an unexpected local failure (`EX_SOFTWARE`).
 pub(crate) const SOFTWARE: u8 = 70;
 /// The lock was busy; the command did not run (`EX_TEMPFAIL`).
@@ -100,11 +103,19 @@ mod tests {
 
     #[test]
     fn codes_do_not_clash() {
-        let mut codes = vec![USAGE, UNAVAILABLE, SOFTWARE, BUSY, LOST, CANNOT_EXECUTE];
+        let mut codes = vec![
+            USAGE,
+            NOT_A_LOCK,
+            UNAVAILABLE,
+            SOFTWARE,
+            BUSY,
+            LOST,
+            CANNOT_EXECUTE,
+        ];
         codes.push(NOT_FOUND);
         codes.sort_unstable();
         codes.dedup();
-        assert_eq!(codes.len(), 7);
+        assert_eq!(codes.len(), 8);
         assert_eq!(signalled(15), 143);
     }
 }

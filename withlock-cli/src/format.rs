@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::store::LockView;
+use lock_core::LockInfo;
 
 /// A duration the way a person reads it: `850ms`, `28.5s`, `5m 30s`.
 pub(crate) fn ttl_text(d: Duration) -> String {
@@ -33,9 +33,10 @@ impl fmt::Display for Shown<'_> {
     }
 }
 
-/// One lock as a JSON object:
-/// `{"key", "held", "node_id", "owner", "ttl_ms", "fencing_token"}`.
-pub(crate) fn view_json(view: &LockView) -> Value {
+/// One lock as a JSON object: `{"key", "held", "node_id", "owner",
+/// "ttl_ms", "fencing_token", "held_for_ms", "last_owner"}` (the last two
+/// where the store records them, else null).
+pub(crate) fn view_json(view: &LockInfo) -> Value {
     json!({
         "key": view.key,
         "held": view.owner.is_some(),
@@ -43,16 +44,18 @@ pub(crate) fn view_json(view: &LockView) -> Value {
         "owner": view.owner.as_ref().map(|o| o.as_str()),
         "ttl_ms": view.ttl.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
         "fencing_token": view.fencing_token,
+        "held_for_ms": view.held_for.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+        "last_owner": view.last_owner.as_ref().map(|o| o.as_str()),
     })
 }
 
 /// The remaining ttl column of a held lock.
-fn ttl_cell(view: &LockView) -> String {
+fn ttl_cell(view: &LockInfo) -> String {
     view.ttl.map_or_else(|| "no expiry".to_owned(), ttl_text)
 }
 
 /// The locks as a table with a header, columns aligned.
-pub(crate) fn table(views: &[LockView]) -> String {
+pub(crate) fn table(views: &[LockInfo]) -> String {
     let rows: Vec<[String; 4]> = views
         .iter()
         .map(|v| {
@@ -88,7 +91,7 @@ pub(crate) fn table(views: &[LockView]) -> String {
 }
 
 /// One key as `label: value` lines.
-pub(crate) fn details(view: &LockView) -> String {
+pub(crate) fn details(view: &LockInfo) -> String {
     let token = view
         .fencing_token
         .map_or_else(|| "none drawn yet".to_owned(), |t| t.to_string());
@@ -98,8 +101,16 @@ pub(crate) fn details(view: &LockView) -> String {
             out.push_str(&format!("held by:            {}\n", Shown(owner.node_id())));
             out.push_str(&format!("owner token:        {}\n", Shown(owner.as_str())));
             out.push_str(&format!("ttl:                {}\n", ttl_cell(view)));
+            if let Some(held_for) = view.held_for {
+                out.push_str(&format!("held for:           {}\n", ttl_text(held_for)));
+            }
         }
-        None => out.push_str("held by:            nobody (free)\n"),
+        None => {
+            out.push_str("held by:            nobody (free)\n");
+            if let Some(last) = &view.last_owner {
+                out.push_str(&format!("last holder:        {}\n", Shown(last.as_str())));
+            }
+        }
     }
     out.push_str(&format!("last fencing token: {token}\n"));
     out
@@ -110,15 +121,13 @@ mod tests {
     use super::*;
     use lock_core::OwnerToken;
 
-    fn held(key: &str, node: &str, ms: u64, token: u64) -> LockView {
-        LockView {
-            key: key.into(),
-            owner: Some(OwnerToken::from_value(format!(
-                "{node}/0123456789abcdef0123456789abcdef"
-            ))),
-            ttl: Some(Duration::from_millis(ms)),
-            fencing_token: Some(token),
-        }
+    fn held(key: &str, node: &str, ms: u64, token: u64) -> LockInfo {
+        LockInfo::held(
+            key,
+            OwnerToken::from_value(format!("{node}/0123456789abcdef0123456789abcdef")),
+            Some(Duration::from_millis(ms)),
+        )
+        .with_fencing_token(Some(token))
     }
 
     #[test]
@@ -145,12 +154,7 @@ mod tests {
         assert_eq!(value["node_id"], "n");
         assert_eq!(value["ttl_ms"], 2000);
         assert_eq!(value["fencing_token"], 3);
-        let free = LockView {
-            key: "k".into(),
-            owner: None,
-            ttl: None,
-            fencing_token: None,
-        };
+        let free = LockInfo::free("k");
         let value = view_json(&free);
         assert_eq!(value["held"], false);
         assert!(value["owner"].is_null() && value["ttl_ms"].is_null());

@@ -177,7 +177,7 @@ enum Ended {
 /// Why the command never ran when `--wait` ran out: the key is busy, or
 /// the store cannot say who holds it.
 async fn wait_over(store: &Store, key: &str, waited: Instant) -> Failure {
-    match tokio::time::timeout(Duration::from_secs(1), store.inspect(key)).await {
+    match tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await {
         Ok(Ok(view)) => busy(key, view.node_id(), waited),
         Ok(Err(error)) => Failure::new(
             exit::UNAVAILABLE,
@@ -252,7 +252,7 @@ fn held_throughout(outcome: Outcome) -> u8 {
 async fn not_run(store: &Store, key: &str, error: &LockError, waited: Instant) -> Failure {
     match error {
         LockError::NotAcquired { source: None, .. } => {
-            let view = tokio::time::timeout(Duration::from_secs(1), store.inspect(key)).await;
+            let view = tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await;
             let holder = match &view {
                 Ok(Ok(view)) => view.node_id(),
                 _ => None,
@@ -355,7 +355,8 @@ fn status_line(store: Store, key: String, shared: Arc<Shared>) -> JoinHandle<()>
         let started = Instant::now();
         loop {
             tokio::time::sleep(STATUS_EVERY).await;
-            let holder = match tokio::time::timeout(STATUS_EVERY, store.inspect(&key)).await {
+            let holder = match tokio::time::timeout(STATUS_EVERY, store.admin().inspect(&key)).await
+            {
                 Ok(Ok(view)) => match (view.node_id(), view.ttl) {
                     (Some(node), Some(ttl)) => format!("held by {node}, {} left", ttl_text(ttl)),
                     (Some(node), None) => format!("held by {node}"),

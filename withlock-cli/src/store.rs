@@ -1,19 +1,31 @@
-//! The lock backend a URL names, and its admin functions behind one type.
+//! The lock store a URL names: its backend for `withlock run`, and its
+//! admin functions ([`LockAdmin`]) for `list`, `inspect` and `release`,
+//! the same on every backend and deployment \[D1\].
 
-use std::time::Duration;
+use std::sync::Arc;
 
-use lock_core::{BackendError, LockError, Locker, LockerOptions, OwnerToken};
+use lock_core::{DynLockBackend, LockAdmin, LockError, Locker, LockerOptions};
 use lock_postgres::sqlx::postgres::PgConnectOptions;
 use lock_postgres::{PostgresBackend, PostgresConfig};
-use lock_redis::{RedisBackend, RedisConfig};
+use lock_redis::{RedisBackend, RedisClusterBackend, RedisConfig, RedisSentinelBackend};
 
 use crate::args::StoreArgs;
 use crate::exit::{Chain, Failure, UNAVAILABLE};
+
+/// The schemes `--url` may have, for messages.
+const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
+                       redis+sentinel://, postgres:// or postgresql://";
 
 /// The backends the command knows, by URL scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Scheme {
     Redis,
+    /// `redis+cluster://` or `rediss+cluster://`.
+    RedisCluster {
+        tls: bool,
+    },
+    /// `redis+sentinel://`.
+    RedisSentinel,
     Postgres,
 }
 
@@ -22,81 +34,125 @@ impl Scheme {
     /// message never shows the URL, which may hold a password.
     pub(crate) fn of(url: &str) -> Result<Self, Failure> {
         let Some((scheme, _)) = url.split_once("://") else {
-            return Err(Failure::usage(
-                "--url is not a URL: expected redis://, rediss://, postgres:// or postgresql://",
-            ));
+            return Err(Failure::usage(format!(
+                "--url is not a URL: expected {SCHEMES}"
+            )));
         };
         match scheme.to_ascii_lowercase().as_str() {
             "redis" | "rediss" => Ok(Self::Redis),
+            "redis+cluster" => Ok(Self::RedisCluster { tls: false }),
+            "rediss+cluster" => Ok(Self::RedisCluster { tls: true }),
+            "redis+sentinel" => Ok(Self::RedisSentinel),
             "postgres" | "postgresql" => Ok(Self::Postgres),
             _ => Err(Failure::usage(format!(
-                "--url has the unknown scheme {:?}: expected redis://, rediss://, postgres:// or postgresql://",
+                "--url has the unknown scheme {:?}: expected {SCHEMES}",
                 scheme.chars().take(32).collect::<String>()
             ))),
         }
     }
 }
 
-/// An open lock backend.
-#[derive(Clone, Debug)]
-pub(crate) enum Store {
-    Redis(RedisBackend),
-    Postgres(PostgresBackend),
-}
-
-/// What the store says about one key, whichever the backend.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct LockView {
-    pub(crate) key: String,
-    /// `None`: the key is free.
-    pub(crate) owner: Option<OwnerToken>,
-    /// `None`: free, or (Redis) set without an expiry.
-    pub(crate) ttl: Option<Duration>,
-    /// The last fencing token drawn for the key, if any was.
-    pub(crate) fencing_token: Option<u64>,
-}
-
-impl LockView {
-    pub(crate) fn node_id(&self) -> Option<&str> {
-        self.owner.as_ref().map(OwnerToken::node_id)
+/// The nodes of a `redis+cluster://` or `redis+sentinel://` URL, each as a
+/// `redis://` (or `rediss://`) URL with the URL's user and password, and
+/// the path after the hosts (the Sentinel master name), percent-decoded.
+fn split_hosts(url: &str, scheme: &str) -> Result<(Vec<String>, String), Failure> {
+    let rest = url.split_once("://").map_or("", |(_, rest)| rest);
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    // The password may hold '@' or ','; the hosts never do.
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, authority),
+    };
+    let hosts: Vec<&str> = hosts.split(',').map(str::trim).collect();
+    if hosts.iter().any(|h| h.is_empty()) {
+        return Err(Failure::usage(
+            "--url names no host, or an empty one between commas: expected host:port[,host:port…]",
+        ));
     }
+    let urls = hosts
+        .iter()
+        .map(|host| match userinfo {
+            Some(userinfo) => format!("{scheme}://{userinfo}@{host}"),
+            None => format!("{scheme}://{host}"),
+        })
+        .collect();
+    Ok((urls, percent_decode(path)?))
 }
 
-impl From<lock_redis::LockInfo> for LockView {
-    fn from(info: lock_redis::LockInfo) -> Self {
-        Self {
-            key: info.key,
-            owner: info.owner,
-            ttl: info.ttl,
-            fencing_token: info.fencing_token,
+/// `text` with its `%XX` escapes decoded.
+fn percent_decode(text: &str) -> Result<String, Failure> {
+    let bad = || Failure::usage("--url has a bad percent escape in its path");
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = text.get(i + 1..i + 3).ok_or_else(bad)?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
         }
     }
+    String::from_utf8(out).map_err(|_| bad())
 }
 
-impl From<lock_postgres::LockInfo> for LockView {
-    fn from(info: lock_postgres::LockInfo) -> Self {
-        Self {
-            key: info.key,
-            owner: info.owner,
-            ttl: info.ttl,
-            fencing_token: info.fencing_token,
-        }
-    }
+/// An open lock store: a backend to lock with, and the same store's
+/// admin functions.
+#[derive(Clone)]
+pub(crate) struct Store {
+    name: &'static str,
+    backend: Arc<DynLockBackend>,
+    admin: Arc<dyn LockAdmin>,
+    /// The backend whose table `withlock run` creates if it is missing.
+    postgres: Option<PostgresBackend>,
 }
 
 impl Store {
+    fn new<B: lock_core::LockBackend + LockAdmin>(name: &'static str, backend: B) -> Self {
+        let backend = Arc::new(backend);
+        Self {
+            name,
+            backend: Arc::clone(&backend) as Arc<DynLockBackend>,
+            admin: backend,
+            postgres: None,
+        }
+    }
+
     /// Makes the backend `args` names, changing nothing in the store.
     ///
     /// A malformed URL or table name is a usage failure; a server that
     /// cannot be reached is "unavailable". Redis connects at the first
     /// call; PostgreSQL connects here.
     pub(crate) async fn open(args: &StoreArgs) -> Result<Self, Failure> {
+        let redis_config = || RedisConfig::default().prefix(args.redis_prefix.clone());
+        let bad_url = |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", Chain(&e)));
         match Scheme::of(&args.url)? {
-            Scheme::Redis => {
-                let config = RedisConfig::default().prefix(args.redis_prefix.clone());
-                RedisBackend::from_url_with(&args.url, config)
-                    .map(Self::Redis)
-                    .map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))
+            Scheme::Redis => RedisBackend::from_url_with(&args.url, redis_config())
+                .map(|b| Self::new("Redis", b))
+                .map_err(bad_url),
+            Scheme::RedisCluster { tls } => {
+                let (nodes, path) = split_hosts(&args.url, if tls { "rediss" } else { "redis" })?;
+                if !path.is_empty() {
+                    return Err(Failure::usage(
+                        "--url: a redis+cluster:// URL has no path (no database number on a cluster)",
+                    ));
+                }
+                RedisClusterBackend::from_urls_with(nodes, redis_config())
+                    .map(|b| Self::new("Redis Cluster", b))
+                    .map_err(bad_url)
+            }
+            Scheme::RedisSentinel => {
+                let (sentinels, master) = split_hosts(&args.url, "redis")?;
+                if master.is_empty() || master.contains('/') {
+                    return Err(Failure::usage(
+                        "--url: a redis+sentinel:// URL ends with the master name: redis+sentinel://host:port[,host:port…]/NAME",
+                    ));
+                }
+                RedisSentinelBackend::from_urls_with(&master, sentinels, redis_config())
+                    .map(|b| Self::new("Redis Sentinel", b))
+                    .map_err(bad_url)
             }
             Scheme::Postgres => {
                 args.url.parse::<PgConnectOptions>().map_err(|e| {
@@ -111,10 +167,13 @@ impl Store {
                 config
                     .validate()
                     .map_err(|e| Failure::usage(Chain(&e).to_string()))?;
-                PostgresBackend::connect_with(&args.url, config)
+                let backend = PostgresBackend::connect_with(&args.url, config)
                     .await
-                    .map(Self::Postgres)
-                    .map_err(|e| Failure::new(UNAVAILABLE, Chain(&e).to_string()))
+                    .map_err(|e| Failure::new(UNAVAILABLE, Chain(&e).to_string()))?;
+                Ok(Self {
+                    postgres: Some(backend.clone()),
+                    ..Self::new("PostgreSQL", backend)
+                })
             }
         }
     }
@@ -122,56 +181,29 @@ impl Store {
     /// Creates the PostgreSQL lock table if it is missing (`migrate`,
     /// idempotent); nothing to do for Redis.
     pub(crate) async fn create_table(&self) -> Result<(), Failure> {
-        match self {
-            Self::Redis(_) => Ok(()),
-            Self::Postgres(backend) => backend
+        match &self.postgres {
+            None => Ok(()),
+            Some(backend) => backend
                 .migrate()
                 .await
                 .map_err(|e| Failure::unavailable("PostgreSQL", &e)),
         }
     }
 
-    /// A locker (one node) on this backend.
+    /// A locker (one node) on this store.
     pub(crate) fn locker(&self, options: LockerOptions) -> Result<Locker, LockError> {
-        match self {
-            Self::Redis(backend) => Locker::with_options(backend.clone(), options),
-            Self::Postgres(backend) => Locker::with_options(backend.clone(), options),
-        }
+        Locker::with_options(Arc::clone(&self.backend), options)
+    }
+
+    /// The store's admin functions.
+    pub(crate) fn admin(&self) -> &dyn LockAdmin {
+        &*self.admin
     }
 
     /// The backend's name in messages.
     pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Self::Redis(_) => "Redis",
-            Self::Postgres(_) => "PostgreSQL",
-        }
+        self.name
     }
-
-    pub(crate) async fn list(&self, prefix: &str) -> Result<Vec<LockView>, BackendError> {
-        Ok(match self {
-            Self::Redis(backend) => into_views(backend.list_locks(prefix).await?),
-            Self::Postgres(backend) => into_views(backend.list_locks(prefix).await?),
-        })
-    }
-
-    pub(crate) async fn inspect(&self, key: &str) -> Result<LockView, BackendError> {
-        Ok(match self {
-            Self::Redis(backend) => backend.inspect(key).await?.into(),
-            Self::Postgres(backend) => backend.inspect(key).await?.into(),
-        })
-    }
-
-    /// Frees `key` whoever holds it; gives the holder it freed.
-    pub(crate) async fn force_release(&self, key: &str) -> Result<Option<LockView>, BackendError> {
-        Ok(match self {
-            Self::Redis(backend) => backend.force_release(key).await?.map(Into::into),
-            Self::Postgres(backend) => backend.force_release(key).await?.map(Into::into),
-        })
-    }
-}
-
-fn into_views<T: Into<LockView>>(infos: Vec<T>) -> Vec<LockView> {
-    infos.into_iter().map(Into::into).collect()
 }
 
 #[cfg(test)]
@@ -182,6 +214,18 @@ mod tests {
     fn schemes_pick_the_backend() {
         assert_eq!(Scheme::of("redis://h:6379").unwrap(), Scheme::Redis);
         assert_eq!(Scheme::of("rediss://h").unwrap(), Scheme::Redis);
+        assert_eq!(
+            Scheme::of("redis+cluster://h:7000,h:7001").unwrap(),
+            Scheme::RedisCluster { tls: false }
+        );
+        assert_eq!(
+            Scheme::of("rediss+cluster://h:7000").unwrap(),
+            Scheme::RedisCluster { tls: true }
+        );
+        assert_eq!(
+            Scheme::of("redis+sentinel://h:26379/mymaster").unwrap(),
+            Scheme::RedisSentinel
+        );
         assert_eq!(Scheme::of("postgres://u@h/db").unwrap(), Scheme::Postgres);
         assert_eq!(Scheme::of("PostgreSQL://u@h/db").unwrap(), Scheme::Postgres);
     }
@@ -193,5 +237,19 @@ mod tests {
         assert!(failure.message.contains("\"mysql\""));
         assert!(!failure.message.contains("secret"));
         assert!(Scheme::of("127.0.0.1:6379").is_err());
+    }
+
+    #[test]
+    fn cluster_and_sentinel_urls_name_each_node_with_the_credentials() {
+        let (nodes, path) = split_hosts("redis+cluster://u:p@ss@a:7000,b:7001", "redis").unwrap();
+        assert_eq!(nodes, ["redis://u:p@ss@a:7000", "redis://u:p@ss@b:7001"]);
+        assert_eq!(path, "");
+        let (nodes, master) =
+            split_hosts("redis+sentinel://s1:26379, s2:26379/my%20master", "redis").unwrap();
+        assert_eq!(nodes, ["redis://s1:26379", "redis://s2:26379"]);
+        assert_eq!(master, "my master");
+        assert!(split_hosts("redis+cluster://a:1,,b:2", "redis").is_err());
+        assert!(split_hosts("redis+sentinel:///m", "redis").is_err());
+        assert!(split_hosts("redis+sentinel://a:1/%zz", "redis").is_err());
     }
 }

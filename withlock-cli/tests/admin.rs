@@ -210,6 +210,135 @@ async fn a_running_job_is_listed(store: Store) {
     assert_eq!(store.stored(&key).await.owner, None);
 }
 
+/// \[D2\] `release --force` of a Redis LIST refuses with the reason and
+/// exit 65, and leaves the list as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_force_refuses_a_list_and_leaves_it() {
+    let store = Store::redis().await;
+    let Store::Redis { url, .. } = &store else {
+        unreachable!()
+    };
+    let key = store.key("a queue");
+    let mut conn = lock_redis::redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = lock_redis::redis::pipe()
+        .rpush(&key, "job-1")
+        .rpush(&key, "job-2")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let output = finish(store.cmd("release").args(["--force", &key])).await;
+    assert_eq!(code(&output), 65, "{}", stderr(&output));
+    let text = stderr(&output);
+    assert!(
+        text.contains("not a withlock lock") && text.contains("a list"),
+        "{text}"
+    );
+    let jobs: Vec<String> = lock_redis::redis::cmd("LRANGE")
+        .arg(&key)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(jobs, ["job-1", "job-2"], "the list is left as it was");
+}
+
+/// \[D2\] `release --force` of a PostgreSQL row whose holder is in no lock
+/// format withlock takes refuses with exit 65 and leaves the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_force_refuses_a_row_of_another_format() {
+    let store = Store::postgres().await;
+    let Store::Postgres { backend, .. } = &store else {
+        unreachable!()
+    };
+    let key = store.key("held by hand");
+    let table = backend.qualified_table();
+    lock_postgres::sqlx::query(&format!(
+        "INSERT INTO {table} (key, locked_by, locked_at, locked_until) VALUES ($1, 'ops on call', \
+         clock_timestamp() AT TIME ZONE 'UTC', clock_timestamp() AT TIME ZONE 'UTC' + interval '1 hour')"
+    ))
+    .bind(&key)
+    .execute(backend.pool())
+    .await
+    .unwrap();
+    let output = finish(store.cmd("release").args(["--force", &key])).await;
+    assert_eq!(code(&output), 65, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("not a withlock lock"),
+        "{}",
+        stderr(&output)
+    );
+    assert_eq!(
+        store.stored(&key).await.owner.as_deref(),
+        Some("ops on call")
+    );
+}
+
+/// \[D1\] The same commands on a Redis Cluster, named by a
+/// `redis+cluster://` URL of several nodes: `list` finds locks on every
+/// master, `release --force` frees one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_commands_work_on_a_cluster_url() {
+    use lock_redis::testing::{shared_cluster, ScratchClusterBackend};
+    let cluster = tokio::task::block_in_place(shared_cluster);
+    let backend = std::sync::Arc::new(ScratchClusterBackend::new(
+        &cluster.urls(),
+        lock_redis::RedisConfig::default(),
+    ));
+    let prefix = backend.namespace().prefix().to_owned();
+    let locker = lock_core::Locker::with_options(
+        std::sync::Arc::clone(&backend),
+        lock_core::LockerOptions::default().node_id("cluster-host"),
+    )
+    .unwrap();
+    let mut handles = Vec::new();
+    for i in 0..12 {
+        let mut handle = locker
+            .handle(&format!("job:{i:02}"), std::time::Duration::from_secs(60))
+            .unwrap();
+        assert!(handle.acquire().await.unwrap());
+        handles.push(handle);
+    }
+    let hosts: Vec<String> = cluster
+        .urls()
+        .iter()
+        .take(2)
+        .map(|u| u.trim_start_matches("redis://").to_owned())
+        .collect();
+    let url = format!("redis+cluster://{}", hosts.join(","));
+    let cmd = |sub: &str| {
+        let mut command = common::withlock([sub]);
+        command.args(["--url", &url, "--redis-prefix", &prefix]);
+        command
+    };
+    let output = finish(cmd("list").arg("--json")).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let all = json(&stdout(&output));
+    let keys: Vec<&str> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    let expected: Vec<String> = (0..12).map(|i| format!("job:{i:02}")).collect();
+    assert_eq!(keys, expected);
+    let output = finish(cmd("release").args(["--force", "job:03"])).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(
+        stdout(&output).contains("cluster-host"),
+        "{}",
+        stdout(&output)
+    );
+    assert!(!handles[3].renew().await.unwrap());
+    for handle in &mut handles {
+        let _ = handle.release().await;
+    }
+}
+
 on_every_backend!(
     list_shows_held_locks,
     inspect_shows_one_key,

@@ -3,6 +3,7 @@
 //! namespace, and panics with a message that says what went wrong.
 
 mod acquire;
+mod admin;
 mod cancel;
 mod holding;
 mod lost;
@@ -15,6 +16,7 @@ mod steps;
 mod validity;
 
 pub use acquire::*;
+pub use admin::*;
 pub use cancel::*;
 pub use holding::*;
 pub use lost::*;

@@ -438,3 +438,4 @@ impl Deref for ScratchClusterBackend {
 }
 
 lock_core::forward_lock_backend!(ScratchClusterBackend => backend);
+lock_core::forward_lock_admin!(ScratchClusterBackend => backend);

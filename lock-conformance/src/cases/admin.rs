@@ -1,0 +1,232 @@
+//! The operator's functions: list, inspect and force release agree with
+//! the locks the nodes hold \[D1\], a forced release changes nothing on a
+//! free key \[D2\], and it wakes the key's waiters \[L5\].
+//!
+//! Each case runs on the admin of the factory's store
+//! ([`BackendFactory::with_admin`]); on a factory declared
+//! [`without_admin`](crate::without_admin) it passes, saying so.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_core::{LockConfig, LockHandle};
+
+use crate::counting::CountingBackend;
+use crate::faults::Step;
+use crate::support::{
+    assert_free, assert_held, node, once, patient, within, AdminStore, BackendFactory, Namespace,
+    SHORT_TTL, SOON,
+};
+
+/// The store of the case, or `None` (said on stderr) for a factory
+/// declared without an admin.
+async fn admin_store(factory: &Arc<dyn BackendFactory>, case: &str) -> Option<AdminStore> {
+    let store = factory.with_admin().await;
+    if store.is_none() {
+        eprintln!("{case}: the factory is declared without admin functions");
+    }
+    store
+}
+
+/// A handle on `key` taken by a node named `name`, and the owner token it
+/// holds the key with.
+async fn hold(store: &AdminStore, key: &str, name: &str) -> (LockHandle, String) {
+    let counting = CountingBackend::new(Arc::clone(&store.backend));
+    let mut handle = node(counting.clone(), name)
+        .handle(key, SHORT_TTL * 25)
+        .unwrap();
+    assert!(handle.acquire().await.unwrap(), "{key:?} is free");
+    let owner = counting.last_owner(key).expect("an acquisition was made");
+    (handle, owner.as_str().to_owned())
+}
+
+/// Waits until `waiter` has tried `key` at least `n` times.
+async fn tried(waiter: &CountingBackend<Arc<lock_core::DynLockBackend>>, n: u64, what: &str) {
+    within(SOON, what, async {
+        while waiter.calls(Step::TryAcquire) < n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+/// \[D1\] What the admin shows of a held key is its holder's: the owner
+/// token, a ttl within the lock's, the fencing token; `list_locks` gives
+/// the held keys under a prefix in key order and no free one;
+/// `force_release` gives back the holder, and then the key is free, its
+/// holder has lost it, and another node takes it with a greater token.
+pub async fn d1_list_inspect_force_release_agree_with_the_lock(factory: Arc<dyn BackendFactory>) {
+    let Some(store) = admin_store(&factory, "d1").await else {
+        return;
+    };
+    let ns = Namespace::new();
+    let (a, b, c) = (ns.key("d1-a"), ns.key("d1-b"), ns.key("d1-c"));
+    // Taken in another order than the keys', so that the order is the
+    // listing's own.
+    let (mut held_b, owner_b) = hold(&store, &b, "node-b").await;
+    let (mut held_a, owner_a) = hold(&store, &a, "node-a").await;
+    let (mut released, _) = hold(&store, &c, "node-c").await;
+    assert!(released.release().await.unwrap());
+
+    let info = store.admin.inspect(&a).await.unwrap();
+    assert_eq!(info.key, a);
+    assert!(info.is_held(), "{info:?}");
+    assert!(info.is_withlock_lock(), "{info:?}");
+    assert_eq!(
+        info.owner.as_ref().map(|o| o.as_str()),
+        Some(owner_a.as_str())
+    );
+    assert_eq!(info.node_id(), Some("node-a"));
+    let ttl = info.ttl.expect("a withlock lock has an expiry");
+    assert!(
+        ttl > Duration::ZERO && ttl <= SHORT_TTL * 25,
+        "ttl {ttl:?} of a {:?} lock",
+        SHORT_TTL * 25
+    );
+    let token_a = held_a.fencing_token().unwrap();
+    assert_eq!(info.fencing_token, Some(token_a), "{info:?}");
+    assert!(info.last_owner.is_none(), "{info:?}");
+
+    let listed = store.admin.list_locks(&ns.key("")).await.unwrap();
+    let keys: Vec<&str> = listed.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, [a.as_str(), b.as_str()], "{listed:?}");
+    assert_eq!(listed[0].owner, info.owner);
+    assert_eq!(listed[0].fencing_token, Some(token_a));
+    assert!(
+        listed[0].ttl.is_some_and(|t| t <= SHORT_TTL * 25),
+        "{listed:?}"
+    );
+    assert_eq!(listed[1].node_id(), Some("node-b"));
+    assert_eq!(
+        listed[1].owner.as_ref().map(|o| o.as_str()),
+        Some(owner_b.as_str())
+    );
+    assert_eq!(listed[1].fencing_token, held_b.fencing_token());
+    let narrower = store.admin.list_locks(&ns.key("d1-b")).await.unwrap();
+    assert_eq!(narrower.len(), 1, "{narrower:?}");
+    assert_eq!(narrower[0].key, b);
+
+    let freed = store
+        .admin
+        .force_release(&a)
+        .await
+        .unwrap()
+        .expect("a held key is freed and given back");
+    assert_eq!(freed.key, a);
+    assert_eq!(
+        freed.owner.as_ref().map(|o| o.as_str()),
+        Some(owner_a.as_str())
+    );
+    assert_eq!(freed.fencing_token, Some(token_a));
+    let after = store.admin.inspect(&a).await.unwrap();
+    assert!(!after.is_held(), "{after:?}");
+    assert_eq!(after.ttl, None);
+    assert_eq!(
+        after.fencing_token,
+        Some(token_a),
+        "the fencing record outlives the lock"
+    );
+    let listed = store.admin.list_locks(&ns.key("")).await.unwrap();
+    let keys: Vec<&str> = listed.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, [b.as_str()], "{listed:?}");
+    assert_held(&store.backend, &b, "the other key is untouched").await;
+    assert!(
+        !held_a.renew().await.unwrap(),
+        "the holder finds its lock gone at its next extension"
+    );
+    let next = node(Arc::clone(&store.backend), "node-next");
+    let token = within(
+        SOON,
+        "another node takes the freed key",
+        next.with_lock_config(&a, &once(), |ctx| async move { ctx.fencing_token() }),
+    )
+    .await
+    .expect("the freed key is free");
+    assert!(token > token_a, "token {token} after {token_a}");
+    assert!(held_b.release().await.unwrap());
+}
+
+/// \[D2\] A forced release of a free key, never used or released, gives
+/// `None` and changes nothing: the key stays free with the same fencing
+/// record, and the listing stays as it was.
+pub async fn d2_force_release_of_a_free_key_changes_nothing(factory: Arc<dyn BackendFactory>) {
+    let Some(store) = admin_store(&factory, "d2").await else {
+        return;
+    };
+    let ns = Namespace::new();
+    let never = ns.key("d2-never");
+    assert!(store.admin.force_release(&never).await.unwrap().is_none());
+    let info = store.admin.inspect(&never).await.unwrap();
+    assert!(!info.is_held() && info.fencing_token.is_none(), "{info:?}");
+
+    let used = ns.key("d2-used");
+    let (mut handle, _) = hold(&store, &used, "node-a").await;
+    let token = handle.fencing_token();
+    assert!(handle.release().await.unwrap());
+    let before = store.admin.inspect(&used).await.unwrap();
+    assert!(!before.is_held(), "{before:?}");
+    assert_eq!(before.fencing_token, token);
+    assert!(store.admin.force_release(&used).await.unwrap().is_none());
+    assert_eq!(store.admin.inspect(&used).await.unwrap(), before);
+    assert!(store
+        .admin
+        .list_locks(&ns.key(""))
+        .await
+        .unwrap()
+        .is_empty());
+    assert_free(&store.backend, &used, "the key is still free").await;
+}
+
+/// \[L5\] A forced release announces the key on the release
+/// notifications, as a release does: a node waiting for it with a 10 s
+/// retry delay gets it at once. A backend without notifications declares
+/// so, and its waiters get the key at their next retry.
+pub async fn l5_force_release_wakes_waiters(factory: Arc<dyn BackendFactory>) {
+    let Some(store) = admin_store(&factory, "l5").await else {
+        return;
+    };
+    let ns = Namespace::new();
+    let key = ns.key("l5");
+    let (mut held, _) = hold(&store, &key, "node-a").await;
+    let notifies = store.backend.capabilities().release_notifications;
+    let waiter = CountingBackend::new(Arc::clone(&store.backend));
+    let b = node(waiter.clone(), "node-b");
+    let cfg = if notifies {
+        LockConfig::default()
+            .retry_attempts(3)
+            .retry_delay(Duration::from_secs(10))
+    } else {
+        patient()
+    };
+    let k = key.clone();
+    let waiting = tokio::spawn(async move {
+        b.with_lock_config(&k, &cfg, |ctx| async move { ctx.fencing_token() })
+            .await
+    });
+    // With notifications the driver watches the key once it is found
+    // busy, then tries again: after the second attempt began, the release
+    // cannot be missed.
+    tried(
+        &waiter,
+        if notifies { 2 } else { 1 },
+        "the waiter tries the key",
+    )
+    .await;
+    assert!(store.admin.force_release(&key).await.unwrap().is_some());
+    let token = within(
+        SOON,
+        "the waiter after a forced release (its retry delay is 10 s)",
+        waiting,
+    )
+    .await
+    .unwrap()
+    .expect("the waiter gets the freed key");
+    assert!(token > held.fencing_token().unwrap());
+    if notifies {
+        assert!(
+            waiter.calls(Step::WatchRelease) >= 1,
+            "the waiter watched the key"
+        );
+    }
+    assert!(!held.renew().await.unwrap(), "the holder lost the key");
+}
