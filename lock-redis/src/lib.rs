@@ -171,6 +171,7 @@ pub mod slot;
 mod subscription;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tls;
 
 pub use admin::LockInfo;
 pub use backend::{RedisBackend, CHANNEL};
@@ -179,7 +180,7 @@ pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
 pub use durability::Durability;
 pub use redis;
-pub use sentinel::RedisSentinelBackend;
+pub use sentinel::{RedisSentinelBackend, SentinelConfig};
 
 /// The core crate, for wrappers and backend authors.
 pub use lock_core;
