@@ -185,6 +185,7 @@ impl SentinelConfig {
         }
         #[cfg(feature = "tls")]
         if let Some(certificates) = self.trust.certificates() {
+            self.trust.validate()?;
             let tls_sentinels = self
                 .sentinels
                 .iter()

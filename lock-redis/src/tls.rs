@@ -47,11 +47,45 @@ impl Trust {
     pub(crate) fn apply(&self, info: ConnectionInfo) -> Result<ConnectionInfo, SetupError> {
         #[cfg(feature = "tls")]
         if let Some(certificates) = &self.certificates {
+            self.validate()?;
             return redis::Client::build_with_tls(info, certificates.clone())
                 .map(|client| client.get_connection_info().clone())
                 .map_err(SetupError::Tls);
         }
         Ok(info)
+    }
+
+    /// Refuses a CA "certificate" with no certificate in it (the `redis`
+    /// crate would trust nothing, and every handshake would fail later).
+    #[cfg(feature = "tls")]
+    pub(crate) fn validate(&self) -> Result<(), SetupError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::CertificateDer;
+        let Some(pem) = self
+            .certificates
+            .as_ref()
+            .and_then(|c| c.root_cert.as_ref())
+        else {
+            return Ok(());
+        };
+        let mut found = 0;
+        for certificate in CertificateDer::pem_slice_iter(pem) {
+            certificate.map_err(|e| {
+                SetupError::Tls(redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "the CA certificate is not valid PEM",
+                    e.to_string(),
+                )))
+            })?;
+            found += 1;
+        }
+        if found == 0 {
+            return Err(SetupError::Tls(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "the CA certificate PEM holds no certificate",
+            ))));
+        }
+        Ok(())
     }
 
     /// The certificates, for a builder of the `redis` crate.

@@ -50,10 +50,7 @@ impl TestPki {
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
         let cert = params.signed_by(&key, &ca_cert, &ca_key).unwrap();
-        let dir = std::env::temp_dir().join(format!(
-            "withlock-pki-{:016x}",
-            rand::random::<u64>()
-        ));
+        let dir = std::env::temp_dir().join(format!("withlock-pki-{:016x}", rand::random::<u64>()));
         std::fs::create_dir_all(&dir).unwrap();
         let files = TlsFiles {
             cert: dir.join("server.crt"),
