@@ -18,10 +18,11 @@ use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, Script};
 
 use crate::batch::{Batcher, Queued};
-use crate::config::{RedisConfig, SetupError};
+use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
 use crate::subscription::{PubSubTarget, Subscription};
+use crate::tls::Trust;
 
 /// The acquisition script.
 pub(crate) const ACQUIRE_LUA: &str = include_str!("../lua/acquire.lua");
@@ -132,13 +133,46 @@ impl RedisBackend {
     ///
     /// As [`from_url`](Self::from_url), and [`SetupError::InvalidConfig`].
     pub fn from_url_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
+        Self::from_url_trusting(url, &Trust::system(), config)
+    }
+
+    /// [`from_url_with`](Self::from_url_with) for a `rediss://` URL,
+    /// trusting `certificates` instead of the system's roots: a private
+    /// CA's certificate in PEM (`root_cert`), and a client certificate for
+    /// a server that asks for one (`client_tls`).
+    ///
+    /// # Errors
+    ///
+    /// As [`from_url_with`](Self::from_url_with), and [`SetupError::Tls`]
+    /// for a `redis://` URL or a PEM that does not parse. A server whose
+    /// certificate the CA did not sign shows at the first call, or at once
+    /// with [`connect_with_tls`](Self::connect_with_tls).
+    #[cfg(feature = "tls")]
+    pub fn from_url_with_tls(
+        url: &str,
+        certificates: redis::TlsCertificates,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        Self::from_url_trusting(url, &Trust::custom(certificates), config)
+    }
+
+    fn from_url_trusting(
+        url: &str,
+        trust: &Trust,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        use redis::IntoConnectionInfo;
         config.validate()?;
         crate::durability::validate(&config)?;
-        let client = redis::Client::open(url).map_err(SetupError::InvalidUrl)?;
-        let pool =
-            deadpool_redis::Config::from_connection_info(client.get_connection_info().clone())
-                .create_pool(Some(Runtime::Tokio1))
-                .map_err(SetupError::Pool)?;
+        let info = trust.apply(url.into_connection_info().map_err(SetupError::InvalidUrl)?)?;
+        let client = redis::Client::open(info.clone()).map_err(SetupError::InvalidUrl)?;
+        // The manager takes the connection info whole: deadpool's own
+        // `Config` would drop its TLS certificates.
+        let manager = deadpool_redis::Manager::new(info).map_err(SetupError::InvalidUrl)?;
+        let pool = Pool::builder(manager)
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| SetupError::Pool(deadpool_redis::CreatePoolError::Build(e)))?;
         Ok(Self::build(pool, client, config, false))
     }
 
@@ -169,7 +203,31 @@ impl RedisBackend {
     ///
     /// As [`connect`](Self::connect).
     pub async fn connect_with(url: &str, config: RedisConfig) -> Result<Self, SetupError> {
-        let backend = Self::from_url_with(url, config)?;
+        Self::checked(Self::from_url_with(url, config)?).await
+    }
+
+    /// [`from_url_with_tls`](Self::from_url_with_tls), and the checks of
+    /// [`connect`](Self::connect): a server whose certificate `certificates`
+    /// do not trust is [`SetupError::Connect`] with the TLS error as source.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_url_with_tls`](Self::from_url_with_tls) and
+    /// [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`connect`](Self::connect).
+    #[cfg(feature = "tls")]
+    pub async fn connect_with_tls(
+        url: &str,
+        certificates: redis::TlsCertificates,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        Self::checked(Self::from_url_with_tls(url, certificates, config)?).await
+    }
+
+    async fn checked(backend: Self) -> Result<Self, SetupError> {
         // Boxed: keeps the future of `connect` shallow for the compiler.
         Box::pin(backend.check_primary()).await?;
         Ok(backend)
@@ -202,7 +260,7 @@ impl RedisBackend {
                 }
             })
             .await
-            .map_err(SetupError::Connect)?;
+            .map_err(|error| connect_error(error, "the Redis server"))?;
         match (durability, available) {
             (Some(d), Some(available)) if d.replicas > available => {
                 Err(SetupError::NotEnoughReplicas {
@@ -225,6 +283,7 @@ impl RedisBackend {
         let unused = deadpool_redis::Config::from_url("redis://sentinel-mode.invalid")
             .create_pool(Some(Runtime::Tokio1))
             .map_err(SetupError::Pool)?;
+        let has_password = source.has_password();
         let source = Arc::new(source);
         let channel = format!("{}{CHANNEL}", config.prefix);
         let subscription = config.release_notifications.then(|| {
@@ -244,7 +303,7 @@ impl RedisBackend {
                 config,
                 channel,
                 server: "sentinel".to_owned(),
-                has_password: false,
+                has_password,
                 subscription,
                 separate_client: None,
                 same_server: tokio::sync::OnceCell::new(),

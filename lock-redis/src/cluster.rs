@@ -24,8 +24,9 @@ use crate::backend::{
     acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
 };
 use crate::cluster_subscription::ShardedSubscription;
-use crate::config::{RedisConfig, SetupError};
+use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::slot::{fence_key, key_slot, slot_tag};
+use crate::tls::Trust;
 
 const ACQUIRE_LUA: &str = crate::backend::ACQUIRE_LUA;
 const EXTEND_LUA: &str = include_str!("../lua/extend.lua");
@@ -113,22 +114,51 @@ impl RedisClusterBackend {
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         config.validate()?;
-        Self::from_infos(parse_urls(urls)?, config)
+        Self::from_infos(parse_urls(urls)?, &Trust::system(), config)
+    }
+
+    /// [`from_urls_with`](Self::from_urls_with) for `rediss://` URLs,
+    /// trusting `certificates` instead of the system's roots: a private
+    /// CA's certificate in PEM (`root_cert`), and a client certificate for
+    /// nodes that ask for one (`client_tls`). Every node, also those found
+    /// later, is reached over TLS with them.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_urls_with`](Self::from_urls_with), and [`SetupError::Tls`]
+    /// for `redis://` URLs or a PEM that does not parse.
+    #[cfg(feature = "tls")]
+    pub fn from_urls_with_tls<T: AsRef<str>>(
+        urls: impl IntoIterator<Item = T>,
+        certificates: redis::TlsCertificates,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        config.validate()?;
+        let trust = Trust::custom(certificates);
+        Self::from_infos(trusted(parse_urls(urls)?, &trust)?, &trust, config)
     }
 
     fn from_infos(
         infos: Vec<redis::ConnectionInfo>,
+        trust: &Trust,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         let nodes = infos.iter().map(|i| i.addr.to_string()).collect();
         let has_password = infos.iter().any(|i| i.redis.password.is_some());
-        let client = ClusterClientBuilder::new(infos)
+        let builder = ClusterClientBuilder::new(infos)
             .retries(0)
             .use_protocol(redis::ProtocolVersion::RESP3)
             .connection_timeout(config.step_timeout)
-            .response_timeout(config.step_timeout)
-            .build()
-            .map_err(SetupError::InvalidUrl)?;
+            .response_timeout(config.step_timeout);
+        // The builder puts the certificates on the nodes it finds too.
+        #[cfg(feature = "tls")]
+        let builder = match trust.certificates() {
+            Some(certificates) => builder.certs(certificates.clone()),
+            None => builder,
+        };
+        #[cfg(not(feature = "tls"))]
+        let _ = trust;
+        let client = builder.build().map_err(SetupError::InvalidUrl)?;
         Ok(Self::build(client, nodes, has_password, config))
     }
 
@@ -167,9 +197,44 @@ impl RedisClusterBackend {
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         config.validate()?;
-        let infos = parse_urls(urls)?;
-        crate::cluster_check::check_nodes(&infos, config.step_timeout).await?;
-        let backend = Self::from_infos(infos, config)?;
+        Self::checked(parse_urls(urls)?, Trust::system(), config).await
+    }
+
+    /// [`from_urls_with_tls`](Self::from_urls_with_tls), and the checks of
+    /// [`connect`](Self::connect): nodes whose certificates `certificates`
+    /// do not trust are [`SetupError::Connect`] with the TLS error as source.
+    ///
+    /// # Errors
+    ///
+    /// As [`from_urls_with_tls`](Self::from_urls_with_tls) and
+    /// [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`connect`](Self::connect).
+    #[cfg(feature = "tls")]
+    pub async fn connect_with_tls<T: AsRef<str>>(
+        urls: impl IntoIterator<Item = T>,
+        certificates: redis::TlsCertificates,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        config.validate()?;
+        Self::checked(parse_urls(urls)?, Trust::custom(certificates), config).await
+    }
+
+    async fn checked(
+        infos: Vec<redis::ConnectionInfo>,
+        trust: Trust,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        let infos = trusted(infos, &trust)?;
+        crate::cluster_check::check_nodes(&infos, config.step_timeout)
+            .await
+            .map_err(|error| match error {
+                SetupError::Connect(error) => connect_error(error, "the cluster nodes"),
+                other => other,
+            })?;
+        let backend = Self::from_infos(infos, &trust, config)?;
         backend
             .bounded("connecting", |mut conn| async move {
                 redis::cmd("PING")
@@ -178,7 +243,7 @@ impl RedisClusterBackend {
                     .map_err(map_redis_error)
             })
             .await
-            .map_err(SetupError::Connect)?;
+            .map_err(|error| connect_error(error, "the cluster nodes"))?;
         Ok(backend)
     }
 
@@ -427,6 +492,14 @@ fn parse_urls<T: AsRef<str>>(
         return Err(SetupError::NoClusterNodes);
     }
     Ok(infos)
+}
+
+/// `infos` with the certificates of `trust` on each.
+fn trusted(
+    infos: Vec<redis::ConnectionInfo>,
+    trust: &Trust,
+) -> Result<Vec<redis::ConnectionInfo>, SetupError> {
+    infos.into_iter().map(|info| trust.apply(info)).collect()
 }
 
 /// A Lua script with its source, so that it can be loaded on one node.

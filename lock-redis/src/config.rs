@@ -232,6 +232,26 @@ pub enum SetupError {
     /// A Sentinel backend was given no Sentinel URL.
     #[error("no Sentinel URL given")]
     NoSentinels,
+    /// The Sentinel URLs carry different usernames or passwords: every
+    /// Sentinel of a group is reached with the same credentials.
+    #[error("the Sentinel URLs carry different usernames or passwords")]
+    SentinelCredentialsDiffer,
+    /// The TLS settings cannot be used: a certificate or key that does not
+    /// parse as PEM, certificates given for a `redis://` (not TLS) URL, or
+    /// `rediss://` and `redis://` Sentinels mixed with certificates.
+    #[error("the TLS settings cannot be used")]
+    Tls(#[source] redis::RedisError),
+    /// The server, the Sentinels or the primary refused the credentials (a
+    /// wrong or missing username or password), from `connect`.
+    #[error("authentication refused by {refused_by}")]
+    AuthenticationRefused {
+        /// Who refused: `"the Redis server"`, `"the Sentinels"` or
+        /// `"the primary named by the Sentinels"`.
+        refused_by: &'static str,
+        /// The refusal.
+        #[source]
+        source: lock_core::BackendError,
+    },
     /// No Sentinel knows a master by this name.
     #[error("no Sentinel knows a master named {name:?}")]
     UnknownSentinelMaster {
@@ -246,4 +266,52 @@ pub enum SetupError {
         /// Replicas connected to the primary now.
         available: u32,
     },
+}
+
+/// Credentials refused, as the source of a [`BackendError`](lock_core::BackendError):
+/// says who refused them, which the `redis` crate's error does not.
+#[derive(Debug, thiserror::Error)]
+#[error("{refused_by} refused the credentials (a wrong or missing username or password)")]
+pub(crate) struct AuthenticationRefused {
+    refused_by: &'static str,
+    #[source]
+    source: redis::RedisError,
+}
+
+impl AuthenticationRefused {
+    pub(crate) fn new(refused_by: &'static str, source: redis::RedisError) -> Self {
+        Self { refused_by, source }
+    }
+}
+
+/// Whether the server refused the credentials: a wrong password or user
+/// (`WRONGPASS`, as the `redis` crate reports a failed `AUTH`), or none
+/// given where one is required (`NOAUTH`).
+pub(crate) fn is_auth_refusal(error: &redis::RedisError) -> bool {
+    error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
+}
+
+/// The setup error of a connection check that failed with `error`:
+/// [`SetupError::AuthenticationRefused`] when credentials were refused (by
+/// `refused_by`, unless the error says who), else [`SetupError::Connect`].
+pub(crate) fn connect_error(
+    error: lock_core::BackendError,
+    refused_by: &'static str,
+) -> SetupError {
+    let inner = error.inner();
+    let refused_by = if let Some(refused) = inner.downcast_ref::<AuthenticationRefused>() {
+        refused.refused_by
+    } else if inner
+        .downcast_ref::<redis::RedisError>()
+        .is_some_and(is_auth_refusal)
+    {
+        refused_by
+    } else {
+        return SetupError::Connect(error);
+    };
+    SetupError::AuthenticationRefused {
+        refused_by,
+        source: error,
+    }
 }

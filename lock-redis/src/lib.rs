@@ -124,6 +124,93 @@
 //! connection that breaks or answers `READONLY` (a demoted primary still
 //! answers `PING`) is dropped and the Sentinels are asked again.
 //!
+//! ## Passwords
+//!
+//! The Sentinels and the data nodes (the primary and its replicas) have
+//! credentials of their own, so a [`SentinelConfig`] takes them apart: the
+//! Sentinels' username and password in their URLs (their `requirepass`; the
+//! same in every URL), the data nodes' with
+//! [`data_node_password`](SentinelConfig::data_node_password),
+//! [`data_node_username`](SentinelConfig::data_node_username) (an ACL
+//! user) and [`data_node_db`](SentinelConfig::data_node_db). After a
+//! failover the new primary is reached with the same credentials, so every
+//! data node needs the same password (`requirepass`, and `masterauth` for
+//! replication); the Sentinels need it too, as `sentinel auth-pass`.
+//!
+//! ```no_run
+//! use lock_redis::{Locker, RedisConfig, RedisSentinelBackend, SentinelConfig};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let sentinel = SentinelConfig::new(
+//!     "mymaster",
+//!     [
+//!         "redis://:sentinel-password@10.0.0.1:26379",
+//!         "redis://:sentinel-password@10.0.0.2:26379",
+//!         "redis://:sentinel-password@10.0.0.3:26379",
+//!     ],
+//! )?
+//! .data_node_username("locks")
+//! .data_node_password("data-password");
+//! // `connect_with_config` asks the Sentinels and the primary at once; a
+//! // refused password is `SetupError::AuthenticationRefused`, saying
+//! // whether the Sentinels or the primary refused it.
+//! let backend = RedisSentinelBackend::connect_with_config(sentinel, RedisConfig::default()).await?;
+//! let token = Locker::new(backend)
+//!     .with_lock("nightly:import", |ctx| async move { ctx.fencing_token() })
+//!     .await?;
+//! # let _ = token; Ok(()) }
+//! ```
+//!
+//! [`RedisSentinelBackend::from_urls`] (and `connect`) reach the data nodes
+//! without a password. `Debug` of the config and of the backend shows
+//! `<redacted>` for a password that is set and `<none>` for one that is
+//! not, and addresses without URLs.
+//!
+//! # TLS
+//!
+//! With the `tls` feature, every backend takes `rediss://` URLs (rustls,
+//! with its `ring` provider; the system's root certificates by default).
+//! For a private CA, give its certificate in PEM as the `root_cert` of a
+//! `redis::TlsCertificates` (its `client_tls` is a client certificate
+//! and key, for servers that ask for one):
+//!
+//! | backend | with your CA |
+//! |---|---|
+//! | single node | `RedisBackend::from_url_with_tls(url, certificates, config)`, `connect_with_tls` |
+//! | Cluster | `RedisClusterBackend::from_urls_with_tls(urls, certificates, config)`, `connect_with_tls`; also for the nodes found later |
+//! | Sentinel | `SentinelConfig::tls_certificates(certificates)`: for `rediss://` Sentinels and the data nodes; `data_node_tls` (default: on when the Sentinel URLs are `rediss://`) |
+//!
+//! ```no_run
+//! # #[cfg(feature = "tls")]
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use lock_redis::redis::TlsCertificates;
+//! use lock_redis::{RedisBackend, RedisConfig};
+//!
+//! let certificates = TlsCertificates {
+//!     client_tls: None,
+//!     root_cert: Some(std::fs::read("/etc/redis/ca.crt")?),
+//! };
+//! let backend = RedisBackend::connect_with_tls(
+//!     "rediss://:password@redis.internal:6380",
+//!     certificates,
+//!     RedisConfig::default(),
+//! )
+//! .await?;
+//! # let _ = backend; Ok(()) }
+//! # fn main() {}
+//! ```
+//!
+//! The server's certificate must name the host of the URL (for Sentinel,
+//! the address the Sentinels give, often an IP address). A certificate the
+//! CA did not sign fails the handshake: from `connect…` at once, as
+//! `SetupError::Connect` with the TLS error (`invalid peer certificate:
+//! UnknownIssuer`) as source; otherwise at the first lock call, as
+//! `LockError::NotAcquired` with that source. A CA file without a
+//! certificate, or certificates for a `redis://` URL, are
+//! `SetupError::Tls`. Without the feature a `rediss://` URL is
+//! `SetupError::InvalidUrl`.
+//!
 //! # Failover
 //!
 //! Redis replication is asynchronous. If the primary fails and a replica
@@ -157,6 +244,7 @@
 //! |---|---|
 //! | `testing` | the `testing` module: a `redis-server` of a test's own to kill, restart, pause and cut, a local Redis Cluster and a Sentinel group to fail over, and key namespaces that clean up after themselves; for tests, never needed in a service |
 //! | `testcontainers` | `testing`, and it can start Redis in Docker when no `redis-server` can be started |
+//! | `tls` | `rediss://` URLs on every backend (rustls with `ring`), and a CA of your own: see [TLS](#tls) |
 
 mod admin;
 mod backend;
@@ -172,6 +260,7 @@ pub mod slot;
 mod subscription;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tls;
 
 pub use backend::{RedisBackend, CHANNEL};
 pub use cluster::RedisClusterBackend;
@@ -179,7 +268,7 @@ pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
 pub use durability::Durability;
 pub use redis;
-pub use sentinel::RedisSentinelBackend;
+pub use sentinel::{RedisSentinelBackend, SentinelConfig};
 
 /// The core crate, for wrappers and backend authors.
 pub use lock_core;

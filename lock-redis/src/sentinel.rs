@@ -6,51 +6,282 @@ use std::fmt;
 
 use lock_core::{BackendError, BackendErrorKind};
 use redis::aio::MultiplexedConnection;
-use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{ConnectionInfo, ErrorKind};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{ConnectionAddr, ErrorKind};
 
 use crate::backend::{map_redis_error, RedisBackend};
-use crate::config::{RedisConfig, SetupError};
+use crate::config::{
+    connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
+};
+use crate::tls::Trust;
 
-/// Where a Sentinel backend's connections go: the primary of `master_name`
-/// as the Sentinels say now.
-pub(crate) struct SentinelSource {
+/// How to reach a Redis deployment behind Sentinel: the Sentinels and
+/// their credentials, the master name, and the credentials, database and
+/// TLS of the data nodes (the primary and its replicas), which are not the
+/// Sentinels' own.
+///
+/// ```
+/// use lock_redis::SentinelConfig;
+///
+/// # fn main() -> Result<(), lock_redis::SetupError> {
+/// // The Sentinels' password is in their URLs; the data nodes' is set apart.
+/// let sentinel = SentinelConfig::new(
+///     "mymaster",
+///     ["redis://:sentinel-pw@10.0.0.1:26379", "redis://:sentinel-pw@10.0.0.2:26379"],
+/// )?
+/// .data_node_username("locks")
+/// .data_node_password("data-pw")
+/// .data_node_db(0);
+/// let shown = format!("{sentinel:?}");
+/// assert!(!shown.contains("pw@") && shown.contains("<redacted>"));
+/// # Ok(()) }
+/// ```
+///
+/// | setting | default |
+/// |---|---|
+/// | Sentinels' username and password | from their URLs (none) |
+/// | [`data_node_username`](Self::data_node_username) | none (the `default` user) |
+/// | [`data_node_password`](Self::data_node_password) | none |
+/// | [`data_node_db`](Self::data_node_db) | 0 |
+/// | `data_node_tls` (feature `tls`) | TLS when the Sentinel URLs are `rediss://` |
+/// | `tls_certificates` (feature `tls`) | the system's roots |
+///
+/// `Debug` shows whether each password is set, never the password.
+#[derive(Clone)]
+pub struct SentinelConfig {
     master_name: String,
-    sentinels: Vec<String>,
+    sentinels: Vec<ConnectionAddr>,
+    sentinel_username: Option<String>,
+    sentinel_password: Option<String>,
+    data_node_username: Option<String>,
+    data_node_password: Option<String>,
+    data_node_db: i64,
+    data_node_tls: bool,
+    trust: Trust,
+}
+
+impl SentinelConfig {
+    /// The Sentinels at `sentinel_urls` (`redis://[[user]:password@]host:26379`,
+    /// `rediss://…` with the `tls` feature), asked for the primary of
+    /// `master_name`. The username and password in the URLs are the
+    /// Sentinels' own (their `requirepass`), so they must be the same in
+    /// every URL; a database in them is ignored (Sentinels have none).
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::NoSentinels`] for an empty list,
+    /// [`SetupError::InvalidUrl`] when a URL does not parse (or is
+    /// `rediss://` without the `tls` feature), and
+    /// [`SetupError::SentinelCredentialsDiffer`].
+    pub fn new<T: AsRef<str>>(
+        master_name: &str,
+        sentinel_urls: impl IntoIterator<Item = T>,
+    ) -> Result<Self, SetupError> {
+        use redis::IntoConnectionInfo;
+        let infos = sentinel_urls
+            .into_iter()
+            .map(|url| url.as_ref().into_connection_info())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SetupError::InvalidUrl)?;
+        let first = infos.first().ok_or(SetupError::NoSentinels)?;
+        let (sentinel_username, sentinel_password) =
+            (first.redis.username.clone(), first.redis.password.clone());
+        if infos
+            .iter()
+            .any(|i| i.redis.username != sentinel_username || i.redis.password != sentinel_password)
+        {
+            return Err(SetupError::SentinelCredentialsDiffer);
+        }
+        let data_node_tls = infos
+            .iter()
+            .any(|i| matches!(i.addr, ConnectionAddr::TcpTls { .. }));
+        Ok(Self {
+            master_name: master_name.to_owned(),
+            sentinels: infos.into_iter().map(|i| i.addr).collect(),
+            sentinel_username,
+            sentinel_password,
+            data_node_username: None,
+            data_node_password: None,
+            data_node_db: 0,
+            data_node_tls,
+            trust: Trust::system(),
+        })
+    }
+
+    /// The username the data nodes are reached with (an ACL user).
+    /// Defaults to none: the `default` user.
+    #[must_use]
+    pub fn data_node_username(mut self, username: impl Into<String>) -> Self {
+        self.data_node_username = Some(username.into());
+        self
+    }
+
+    /// The password the data nodes are reached with: their `requirepass`,
+    /// or the ACL user's password. Defaults to none.
+    #[must_use]
+    pub fn data_node_password(mut self, password: impl Into<String>) -> Self {
+        self.data_node_password = Some(password.into());
+        self
+    }
+
+    /// The database the locks live in on the data nodes. Defaults to 0.
+    #[must_use]
+    pub fn data_node_db(mut self, db: i64) -> Self {
+        self.data_node_db = db;
+        self
+    }
+
+    /// Whether the data nodes are reached over TLS, at the address the
+    /// Sentinels give (its certificate must name that address). Defaults
+    /// to TLS when the Sentinel URLs are `rediss://`.
+    #[cfg(feature = "tls")]
+    #[must_use]
+    pub fn data_node_tls(mut self, on: bool) -> Self {
+        self.data_node_tls = on;
+        self
+    }
+
+    /// The certificates trusted for TLS, instead of the system's roots: a
+    /// private CA's certificate in PEM (`root_cert`), and a client
+    /// certificate for servers that ask for one (`client_tls`). Used for
+    /// the data nodes over TLS and for `rediss://` Sentinels. Defaults to
+    /// the system's roots.
+    #[cfg(feature = "tls")]
+    #[must_use]
+    pub fn tls_certificates(mut self, certificates: redis::TlsCertificates) -> Self {
+        self.trust = Trust::custom(certificates);
+        self
+    }
+
+    /// The master name the Sentinels are asked about.
+    pub fn master_name(&self) -> &str {
+        &self.master_name
+    }
+
+    /// The `redis` crate's client for the primary.
+    fn client(&self) -> Result<SentinelClient, SetupError> {
+        let mut builder = SentinelClientBuilder::new(
+            self.sentinels.clone(),
+            self.master_name.clone(),
+            SentinelServerType::Master,
+        )
+        .map_err(SetupError::InvalidUrl)?;
+        if let Some(username) = &self.sentinel_username {
+            builder = builder.set_client_to_sentinel_username(username.clone());
+        }
+        if let Some(password) = &self.sentinel_password {
+            builder = builder.set_client_to_sentinel_password(password.clone());
+        }
+        if let Some(username) = &self.data_node_username {
+            builder = builder.set_client_to_redis_username(username.clone());
+        }
+        if let Some(password) = &self.data_node_password {
+            builder = builder.set_client_to_redis_password(password.clone());
+        }
+        builder = builder.set_client_to_redis_db(self.data_node_db);
+        if self.data_node_tls {
+            builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+        }
+        #[cfg(feature = "tls")]
+        if let Some(certificates) = self.trust.certificates() {
+            self.trust.validate()?;
+            let tls_sentinels = self
+                .sentinels
+                .iter()
+                .any(|a| matches!(a, ConnectionAddr::TcpTls { .. }));
+            if !self.data_node_tls && !tls_sentinels {
+                return Err(SetupError::Tls(redis::RedisError::from((
+                    ErrorKind::InvalidClientConfig,
+                    "TLS certificates given, but neither the Sentinels (redis:// URLs) nor the data nodes (data_node_tls off) use TLS",
+                ))));
+            }
+            builder = builder.set_client_to_redis_certificates(certificates.clone());
+            if tls_sentinels {
+                builder = builder.set_client_to_sentinel_certificates(certificates.clone());
+            }
+        }
+        // What the builder checks is TLS: modes and certificates against
+        // the Sentinels' schemes, and the certificates' PEM.
+        builder.build().map_err(SetupError::Tls)
+    }
+}
+
+/// `<redacted>` for a secret that is set, `<none>` otherwise.
+fn redacted(secret: Option<&String>) -> &'static str {
+    if secret.is_some() {
+        "<redacted>"
+    } else {
+        "<none>"
+    }
+}
+
+impl fmt::Debug for SentinelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Addresses only (`host:port`): a URL could carry the password.
+        let sentinels: Vec<String> = self.sentinels.iter().map(ToString::to_string).collect();
+        f.debug_struct("SentinelConfig")
+            .field("master_name", &self.master_name)
+            .field("sentinels", &sentinels)
+            .field("sentinel_username", &self.sentinel_username)
+            .field(
+                "sentinel_password",
+                &redacted(self.sentinel_password.as_ref()),
+            )
+            .field("data_node_username", &self.data_node_username)
+            .field(
+                "data_node_password",
+                &redacted(self.data_node_password.as_ref()),
+            )
+            .field("data_node_db", &self.data_node_db)
+            .field("data_node_tls", &self.data_node_tls)
+            .field("trust", &self.trust.describe())
+            .finish()
+    }
+}
+
+/// Where a Sentinel backend's connections go: the primary of the master
+/// name as the Sentinels say now.
+pub(crate) struct SentinelSource {
+    config: SentinelConfig,
     client: tokio::sync::Mutex<SentinelClient>,
 }
 
 impl SentinelSource {
-    fn new(master_name: &str, infos: Vec<ConnectionInfo>) -> Result<Self, SetupError> {
-        if infos.is_empty() {
-            return Err(SetupError::NoSentinels);
-        }
-        let sentinels = infos.iter().map(|i| i.addr.to_string()).collect();
-        let client = SentinelClient::build(
-            infos,
-            master_name.to_owned(),
-            None,
-            SentinelServerType::Master,
-        )
-        .map_err(SetupError::InvalidUrl)?;
+    fn new(config: SentinelConfig) -> Result<Self, SetupError> {
+        let client = config.client()?;
         Ok(Self {
-            master_name: master_name.to_owned(),
-            sentinels,
+            config,
             client: tokio::sync::Mutex::new(client),
         })
+    }
+
+    /// Whether the data nodes are reached with a password.
+    pub(crate) fn has_password(&self) -> bool {
+        self.config.data_node_password.is_some()
     }
 
     /// A client for the primary, asked of the Sentinels now; the `redis`
     /// crate checks that the server it names says it is a master (`ROLE`).
     /// Failures are [`Unavailable`](BackendErrorKind::Unavailable): nothing
-    /// was sent to the primary.
+    /// was sent to the primary. Refused credentials say whose.
     pub(crate) async fn master(&self) -> Result<redis::Client, BackendError> {
-        self.client
-            .lock()
-            .await
-            .async_get_client()
-            .await
-            .map_err(BackendError::unavailable)
+        let mut client = self.client.lock().await;
+        match client.async_get_client().await {
+            Ok(master) => Ok(master),
+            Err(error) if is_auth_refusal(&error) => {
+                // The crate's error does not say whether a Sentinel or the
+                // primary refused: a Sentinel that takes its credentials
+                // clears the Sentinels.
+                let refused_by = match client.async_get_sentinel_client().await {
+                    Err(e) if is_auth_refusal(&e) => "the Sentinels",
+                    _ => "the primary named by the Sentinels",
+                };
+                Err(BackendError::unavailable(AuthenticationRefused::new(
+                    refused_by, error,
+                )))
+            }
+            Err(error) => Err(BackendError::unavailable(error)),
+        }
     }
 
     /// A new connection to the primary.
@@ -65,10 +296,7 @@ impl SentinelSource {
 
 impl fmt::Debug for SentinelSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Sentinel")
-            .field("master_name", &self.master_name)
-            .field("sentinels", &self.sentinels)
-            .finish()
+        self.config.fmt(f)
     }
 }
 
@@ -97,14 +325,16 @@ lock_core::forward_lock_admin!(RedisSentinelBackend => backend);
 
 impl RedisSentinelBackend {
     /// A backend on the primary that the Sentinels at `sentinel_urls`
-    /// (`redis://host:26379`) name `master_name`, with the default
-    /// [`RedisConfig`]. The primary and its replicas are reached without a
-    /// password. Nothing connects yet.
+    /// (`redis://[:password@]host:26379`) name `master_name`, with the
+    /// default [`RedisConfig`]. A password in the URLs is the Sentinels'
+    /// own; the primary and its replicas are reached without one: for data
+    /// nodes with a password, a database or TLS, use
+    /// [`with_config`](Self::with_config) and a [`SentinelConfig`].
+    /// Nothing connects yet.
     ///
     /// # Errors
     ///
-    /// [`SetupError::NoSentinels`] for an empty list, and
-    /// [`SetupError::InvalidUrl`] when a URL does not parse.
+    /// As [`SentinelConfig::new`].
     pub fn from_urls<T: AsRef<str>>(
         master_name: &str,
         sentinel_urls: impl IntoIterator<Item = T>,
@@ -122,14 +352,20 @@ impl RedisSentinelBackend {
         sentinel_urls: impl IntoIterator<Item = T>,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        use redis::IntoConnectionInfo;
+        Self::with_config(SentinelConfig::new(master_name, sentinel_urls)?, config)
+    }
+
+    /// A backend on the primary that `sentinel` leads to, with `config`:
+    /// the data nodes reached with the credentials, database and TLS of
+    /// `sentinel`. Nothing connects yet.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidConfig`], and [`SetupError::Tls`] when the TLS
+    /// settings cannot be used.
+    pub fn with_config(sentinel: SentinelConfig, config: RedisConfig) -> Result<Self, SetupError> {
         config.validate()?;
-        let infos = sentinel_urls
-            .into_iter()
-            .map(|url| url.as_ref().into_connection_info())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(SetupError::InvalidUrl)?;
-        let source = SentinelSource::new(master_name, infos)?;
+        let source = SentinelSource::new(sentinel)?;
         Ok(Self {
             backend: RedisBackend::on_sentinel(source, config)?,
         })
@@ -142,8 +378,10 @@ impl RedisSentinelBackend {
     /// # Errors
     ///
     /// As [`from_urls`](Self::from_urls), and [`SetupError::UnknownSentinelMaster`],
-    /// [`SetupError::NotEnoughReplicas`], [`SetupError::Connect`] when no
-    /// Sentinel or the primary cannot be reached.
+    /// [`SetupError::NotEnoughReplicas`], [`SetupError::AuthenticationRefused`]
+    /// when the Sentinels or the primary refuse the credentials,
+    /// [`SetupError::Connect`] when no Sentinel or the primary cannot be
+    /// reached (or a TLS handshake fails).
     ///
     /// # Cancel safety
     ///
@@ -169,7 +407,24 @@ impl RedisSentinelBackend {
         sentinel_urls: impl IntoIterator<Item = T>,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        let backend = Self::from_urls_with(master_name, sentinel_urls, config)?;
+        Self::connect_with_config(SentinelConfig::new(master_name, sentinel_urls)?, config).await
+    }
+
+    /// [`with_config`](Self::with_config), and the checks of
+    /// [`connect`](Self::connect).
+    ///
+    /// # Errors
+    ///
+    /// As [`with_config`](Self::with_config) and [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with_config(
+        sentinel: SentinelConfig,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        let backend = Self::with_config(sentinel, config)?;
         let source = backend.backend.sentinel().ok_or(SetupError::NoSentinels)?;
         let timeout = backend.config().step_timeout;
         let looked_up = tokio::time::timeout(timeout, source.master()).await;
@@ -182,10 +437,10 @@ impl RedisSentinelBackend {
                     .is_some_and(|e| e.kind() == ErrorKind::MasterNameNotFoundBySentinel);
                 return Err(if unknown {
                     SetupError::UnknownSentinelMaster {
-                        name: master_name.to_owned(),
+                        name: backend.master_name().to_owned(),
                     }
                 } else {
-                    SetupError::Connect(error)
+                    connect_error(error, "the Sentinels")
                 });
             }
             Err(_) => {
@@ -203,7 +458,7 @@ impl RedisSentinelBackend {
     pub fn master_name(&self) -> &str {
         self.backend
             .sentinel()
-            .map_or("", |source| source.master_name.as_str())
+            .map_or("", |source| source.config.master_name())
     }
 
     /// The configuration the backend was made with.
@@ -231,8 +486,9 @@ impl RedisSentinelBackend {
 
 impl fmt::Debug for RedisSentinelBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("RedisSentinelBackend")
-            .field(&self.backend)
+        f.debug_struct("RedisSentinelBackend")
+            .field("sentinel", &self.backend.sentinel())
+            .field("backend", &self.backend)
             .finish()
     }
 }

@@ -36,7 +36,7 @@ mod cluster;
 mod sentinel;
 
 pub use cluster::{shared_cluster, ClusterNamespace, RedisCluster, ScratchClusterBackend};
-pub use sentinel::{SentinelGroup, MASTER_NAME};
+pub use sentinel::{SentinelAuth, SentinelGroup, MASTER_NAME};
 
 /// The server tests use when `REDIS_URL` is not set.
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
@@ -183,7 +183,47 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     args: Vec<String>,
+    /// Its `--requirepass`, for the connections of this helper.
+    password: Option<String>,
+    /// The CA (PEM) that signed its certificate, when it speaks only TLS.
+    tls_ca: Option<Vec<u8>>,
     running: Mutex<Option<Running>>,
+}
+
+/// The PEM files of a TLS server: its certificate and key, and the CA
+/// that signed the certificate (also the CA it checks replicas, cluster
+/// peers and clients that show a certificate against).
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// The server's certificate.
+    pub cert: PathBuf,
+    /// The server's private key.
+    pub key: PathBuf,
+    /// The CA's certificate.
+    pub ca: PathBuf,
+}
+
+impl TlsFiles {
+    /// The `redis-server` arguments of a server on `port` that speaks only
+    /// TLS there (`--port 0`) and asks clients for no certificate.
+    fn server_args(&self, port: u16) -> Vec<String> {
+        let path = |p: &PathBuf| p.to_string_lossy().into_owned();
+        [
+            "--port".to_owned(),
+            "0".to_owned(),
+            "--tls-port".to_owned(),
+            port.to_string(),
+            "--tls-cert-file".to_owned(),
+            path(&self.cert),
+            "--tls-key-file".to_owned(),
+            path(&self.key),
+            "--tls-ca-cert-file".to_owned(),
+            path(&self.ca),
+            "--tls-auth-clients".to_owned(),
+            "no".to_owned(),
+        ]
+        .into()
+    }
 }
 
 #[derive(Debug)]
@@ -219,6 +259,22 @@ impl RedisServer {
     ///
     /// As [`start`](Self::start).
     pub fn start_with(extra: &[&str]) -> io::Result<Self> {
+        Self::start_inner(extra, None)
+    }
+
+    /// Starts a server that speaks only TLS, with the certificate and key
+    /// of `tls`, and extra `redis-server` arguments (such as
+    /// `["--tls-replication", "yes"]`). Its [`url`](Self::url) is
+    /// `rediss://127.0.0.1:<port>`.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start), and when the CA file cannot be read.
+    pub fn start_tls(tls: &TlsFiles, extra: &[&str]) -> io::Result<Self> {
+        Self::start_inner(extra, Some(tls))
+    }
+
+    fn start_inner(extra: &[&str], tls: Option<&TlsFiles>) -> io::Result<Self> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let dir = std::env::temp_dir().join(format!(
             "withlock-redis-{port}-{:08x}",
@@ -240,11 +296,23 @@ impl RedisServer {
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
+        // Later arguments win: `--port 0` closes the plain port.
+        if let Some(tls) = tls {
+            args.extend(tls.server_args(port));
+        }
         args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let password = extra
+            .iter()
+            .position(|a| *a == "--requirepass")
+            .and_then(|i| extra.get(i + 1))
+            .map(|p| (*p).to_owned());
+        let tls_ca = tls.map(|t| std::fs::read(&t.ca)).transpose()?;
         let server = Self {
             port,
             dir,
             args,
+            password,
+            tls_ca,
             running: Mutex::new(None),
         };
         server.spawn()?;
@@ -304,11 +372,37 @@ impl RedisServer {
     }
 
     fn connection(&self) -> redis::RedisResult<redis::Connection> {
-        let client = redis::Client::open(self.url())?;
+        let client = self.client()?;
         let conn = client.get_connection_with_timeout(Duration::from_secs(1))?;
         conn.set_read_timeout(Some(Duration::from_secs(2)))?;
         conn.set_write_timeout(Some(Duration::from_secs(2)))?;
         Ok(conn)
+    }
+
+    /// A client that reaches the server: with its password, and trusting
+    /// its CA.
+    ///
+    /// # Errors
+    ///
+    /// When the client cannot be made.
+    pub fn client(&self) -> redis::RedisResult<redis::Client> {
+        let url = self.url_with_password();
+        match &self.tls_ca {
+            None => redis::Client::open(url),
+            #[cfg(feature = "tls")]
+            Some(ca) => redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.clone()),
+                },
+            ),
+            #[cfg(not(feature = "tls"))]
+            Some(_) => Err(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "a TLS test server needs the `tls` feature",
+            ))),
+        }
     }
 
     fn ping(&self) -> redis::RedisResult<()> {
@@ -316,9 +410,26 @@ impl RedisServer {
         Ok(())
     }
 
-    /// The server's URL, `redis://127.0.0.1:<port>`.
+    /// The server's URL, `redis://127.0.0.1:<port>` (`rediss://` for a
+    /// server started with [`start_tls`](Self::start_tls)), without its
+    /// password.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// [`url`](Self::url) with the password of `--requirepass`, if the
+    /// server was started with one.
+    pub fn url_with_password(&self) -> String {
+        let url = self.url();
+        match &self.password {
+            Some(password) => url.replacen("://", &format!("://:{password}@"), 1),
+            None => url,
+        }
     }
 
     /// The server's port.

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::RedisServer;
+use super::{RedisServer, TlsFiles};
 use crate::{RedisClusterBackend, RedisConfig};
 
 /// A Redis Cluster of `redis-server` children: masters with replicas, no
@@ -37,7 +37,22 @@ impl RedisCluster {
     ///
     /// As [`start`](Self::start).
     pub fn start_with(masters: usize, replicas: usize) -> io::Result<Self> {
-        let args = [
+        Self::start_inner(masters, replicas, None)
+    }
+
+    /// Starts `masters` masters with `replicas` replicas each, every node
+    /// speaking only TLS with the certificate of `tls`, to clients, to its
+    /// replicas and on the cluster bus (`--tls-cluster yes`).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_tls(masters: usize, replicas: usize, tls: &TlsFiles) -> io::Result<Self> {
+        Self::start_inner(masters, replicas, Some(tls))
+    }
+
+    fn start_inner(masters: usize, replicas: usize, tls: Option<&TlsFiles>) -> io::Result<Self> {
+        let mut args = vec![
             "--cluster-enabled",
             "yes",
             "--cluster-node-timeout",
@@ -45,10 +60,19 @@ impl RedisCluster {
             "--cluster-config-file",
             "nodes.conf",
         ];
+        if tls.is_some() {
+            args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+        }
         let nodes = (0..masters * (1 + replicas))
-            .map(|_| RedisServer::start_with(&args))
+            .map(|_| match tls {
+                Some(tls) => RedisServer::start_tls(tls, &args),
+                None => RedisServer::start_with(&args),
+            })
             .collect::<io::Result<Vec<_>>>()?;
         let mut create = Command::new("redis-cli");
+        if let Some(tls) = tls {
+            create.arg("--tls").arg("--cacert").arg(&tls.ca);
+        }
         create.arg("--cluster").arg("create");
         for node in &nodes {
             create.arg(format!("127.0.0.1:{}", node.port()));

@@ -6,10 +6,22 @@ use std::net::TcpListener;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::RedisServer;
+use super::{RedisServer, TlsFiles};
 
 /// The master name the Sentinels of a [`SentinelGroup`] monitor.
 pub const MASTER_NAME: &str = "withlock-test";
+
+/// The passwords of a [`SentinelGroup`]: the data nodes' (the primary's
+/// and the replicas' `requirepass`, and their `masterauth`, which the
+/// Sentinels learn with `sentinel auth-pass`) and the Sentinels' own
+/// (`requirepass` in their config).
+#[derive(Clone, Debug, Default)]
+pub struct SentinelAuth {
+    /// The data nodes' password.
+    pub data_node_password: Option<String>,
+    /// The Sentinels' password.
+    pub sentinel_password: Option<String>,
+}
 
 /// A primary with replicas and three Sentinels monitoring it as
 /// [`MASTER_NAME`] (quorum 2).
@@ -28,18 +40,55 @@ impl SentinelGroup {
     ///
     /// When a server cannot be started or the group does not form in 30 s.
     pub fn start(replicas: usize) -> io::Result<Self> {
-        let primary = RedisServer::start()?;
+        Self::start_with_auth(replicas, &SentinelAuth::default())
+    }
+
+    /// [`start`](Self::start), with the passwords of `auth`.
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_with_auth(replicas: usize, auth: &SentinelAuth) -> io::Result<Self> {
+        Self::start_inner(replicas, auth, None)
+    }
+
+    /// [`start_with_auth`](Self::start_with_auth), every server and
+    /// Sentinel speaking only TLS with the certificate of `tls` (replicas
+    /// and Sentinels reach the data nodes over TLS too).
+    ///
+    /// # Errors
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_tls(replicas: usize, auth: &SentinelAuth, tls: &TlsFiles) -> io::Result<Self> {
+        Self::start_inner(replicas, auth, Some(tls))
+    }
+
+    fn start_inner(
+        replicas: usize,
+        auth: &SentinelAuth,
+        tls: Option<&TlsFiles>,
+    ) -> io::Result<Self> {
+        let mut data_args: Vec<&str> = Vec::new();
+        if let Some(password) = &auth.data_node_password {
+            data_args.extend(["--requirepass", password, "--masterauth", password]);
+        }
+        if tls.is_some() {
+            data_args.extend(["--tls-replication", "yes"]);
+        }
+        let start = |extra: &[&str]| match tls {
+            Some(tls) => RedisServer::start_tls(tls, extra),
+            None => RedisServer::start_with(extra),
+        };
+        let primary = start(&data_args)?;
+        let primary_port = primary.port().to_string();
         let mut servers = vec![primary];
         for _ in 0..replicas {
-            let port = servers[0].port().to_string();
-            servers.push(RedisServer::start_with(&[
-                "--replicaof",
-                "127.0.0.1",
-                &port,
-            ])?);
+            let mut args = data_args.clone();
+            args.extend(["--replicaof", "127.0.0.1", &primary_port]);
+            servers.push(start(&args)?);
         }
         let sentinels = (0..3)
-            .map(|_| sentinel(servers[0].port()))
+            .map(|_| sentinel(servers[0].port(), auth, tls))
             .collect::<io::Result<Vec<_>>>()?;
         let group = Self { servers, sentinels };
         group.wait_formed(replicas, Duration::from_secs(30))?;
@@ -56,9 +105,18 @@ impl SentinelGroup {
         &self.servers[1]
     }
 
-    /// The Sentinels' URLs.
+    /// The Sentinels' URLs, with the Sentinels' password if they have one.
     pub fn sentinel_urls(&self) -> Vec<String> {
-        self.sentinels.iter().map(RedisServer::url).collect()
+        self.sentinels
+            .iter()
+            .map(RedisServer::url_with_password)
+            .collect()
+    }
+
+    /// The primary and the replicas, in start order (after a failover the
+    /// first is perhaps a replica).
+    pub fn servers(&self) -> &[RedisServer] {
+        &self.servers
     }
 
     fn sentinel_query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> Vec<io::Result<T>> {
@@ -164,8 +222,14 @@ impl SentinelGroup {
     }
 }
 
-/// A Sentinel on a free port, monitoring the primary on `primary_port`.
-fn sentinel(primary_port: u16) -> io::Result<RedisServer> {
+/// A Sentinel on a free port, monitoring the primary on `primary_port`,
+/// with the passwords of `auth`, speaking TLS with `tls`.
+fn sentinel(
+    primary_port: u16,
+    auth: &SentinelAuth,
+    tls: Option<&TlsFiles>,
+) -> io::Result<RedisServer> {
+    use std::fmt::Write as _;
     let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let dir = std::env::temp_dir().join(format!(
         "withlock-sentinel-{port}-{:08x}",
@@ -173,21 +237,43 @@ fn sentinel(primary_port: u16) -> io::Result<RedisServer> {
     ));
     std::fs::create_dir_all(&dir)?;
     let conf = dir.join("sentinel.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "port {port}\nbind 127.0.0.1\ndir {dir}\n\
-             sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2\n\
-             sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
-             sentinel failover-timeout {MASTER_NAME} 10000\n\
-             sentinel parallel-syncs {MASTER_NAME} 1\n",
-            dir = dir.display(),
-        ),
-    )?;
+    let mut text = format!("bind 127.0.0.1\ndir {}\n", dir.display());
+    match tls {
+        Some(tls) => {
+            let _ = write!(
+                text,
+                "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                 tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                tls.cert.display(),
+                tls.key.display(),
+                tls.ca.display(),
+            );
+        }
+        None => {
+            let _ = writeln!(text, "port {port}");
+        }
+    }
+    if let Some(password) = &auth.sentinel_password {
+        // The Sentinels also use it with each other.
+        let _ = writeln!(text, "requirepass {password}");
+    }
+    let _ = write!(
+        text,
+        "sentinel monitor {MASTER_NAME} 127.0.0.1 {primary_port} 2\n\
+         sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+         sentinel failover-timeout {MASTER_NAME} 10000\n\
+         sentinel parallel-syncs {MASTER_NAME} 1\n",
+    );
+    if let Some(password) = &auth.data_node_password {
+        let _ = writeln!(text, "sentinel auth-pass {MASTER_NAME} {password}");
+    }
+    std::fs::write(&conf, text)?;
     let server = RedisServer {
         port,
         dir,
         args: vec![conf.to_string_lossy().into_owned(), "--sentinel".to_owned()],
+        password: auth.sentinel_password.clone(),
+        tls_ca: tls.map(|t| std::fs::read(&t.ca)).transpose()?,
         running: Mutex::new(None),
     };
     server.spawn()?;
