@@ -761,7 +761,7 @@ fn lock_slot(
 /// Redis error, when there is one, is the source.
 fn checkout_error(error: PoolError) -> BackendError {
     match error {
-        PoolError::Backend(e) => BackendError::unavailable(e),
+        PoolError::Backend(e) => crate::config::connection_error(e),
         other => BackendError::unavailable(other),
     }
 }
@@ -873,7 +873,13 @@ fn is_setup_error(error: &redis::RedisError) -> bool {
             error.code(),
             Some("NOPERM" | "WRONGPASS" | "NOAUTH" | "WRONGTYPE")
         )
-        || error.to_string().contains("the fencing companion")
+        || {
+            let text = error.to_string();
+            // A command a script runs that the ACL denies.
+            text.contains("the fencing companion")
+                || text.contains("can't run this command")
+                || text.contains("No permissions to access")
+        }
 }
 
 pub(crate) fn ttl_ms(ttl: Duration) -> String {

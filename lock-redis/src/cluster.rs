@@ -659,7 +659,7 @@ fn is_redirect(error: &RedisError) -> bool {
 /// [`map_redis_error`] maps it.
 pub(crate) fn map_cluster_error(error: RedisError) -> BackendError {
     if error.is_connection_refusal() || error.kind() == ErrorKind::ClusterConnectionNotFound {
-        BackendError::unavailable(error)
+        crate::config::connection_error(error)
     } else {
         map_redis_error(error)
     }

@@ -292,6 +292,17 @@ pub(crate) fn is_auth_refusal(error: &redis::RedisError) -> bool {
         || matches!(error.code(), Some("NOAUTH" | "WRONGPASS"))
 }
 
+/// The error of a connection that could not be made: kind `Setup` when
+/// trying again cannot help (credentials refused, a server certificate the
+/// given CA did not sign) \[A8\], else `Unavailable` (nothing was sent).
+pub(crate) fn connection_error(error: redis::RedisError) -> lock_core::BackendError {
+    if is_auth_refusal(&error) || error.to_string().contains("invalid peer certificate") {
+        lock_core::BackendError::setup(error)
+    } else {
+        lock_core::BackendError::unavailable(error)
+    }
+}
+
 /// The setup error of a connection check that failed with `error`:
 /// [`SetupError::AuthenticationRefused`] when credentials were refused (by
 /// `refused_by`, unless the error says who), else [`SetupError::Connect`].

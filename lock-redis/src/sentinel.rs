@@ -263,7 +263,8 @@ impl SentinelSource {
     /// A client for the primary, asked of the Sentinels now; the `redis`
     /// crate checks that the server it names says it is a master (`ROLE`).
     /// Failures are [`Unavailable`](BackendErrorKind::Unavailable): nothing
-    /// was sent to the primary. Refused credentials say whose.
+    /// was sent to the primary; refused credentials and certificates are
+    /// [`Setup`](BackendErrorKind::Setup), and say whose.
     pub(crate) async fn master(&self) -> Result<redis::Client, BackendError> {
         let mut client = self.client.lock().await;
         match client.async_get_client().await {
@@ -276,11 +277,12 @@ impl SentinelSource {
                     Err(e) if is_auth_refusal(&e) => "the Sentinels",
                     _ => "the primary named by the Sentinels",
                 };
-                Err(BackendError::unavailable(AuthenticationRefused::new(
+                // [A8] Trying again cannot help.
+                Err(BackendError::setup(AuthenticationRefused::new(
                     refused_by, error,
                 )))
             }
-            Err(error) => Err(BackendError::unavailable(error)),
+            Err(error) => Err(crate::config::connection_error(error)),
         }
     }
 

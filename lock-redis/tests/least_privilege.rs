@@ -3,7 +3,12 @@
 //! nothing else (no `@dangerous`, so no `INFO`; no keys or channels outside
 //! the prefix). The server is this test binary's own.
 
-use std::sync::LazyLock;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, LazyLock};
+
+use lock_conformance::{AdminStore, BackendFactory};
+use lock_core::DynLockBackend;
 
 use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
@@ -15,7 +20,6 @@ const PREFIX: &str = "jobs:";
 /// docs give it (single node).
 const LOCK_USER_ACL: &[&str] = &[
     "on",
-    ">lock-secret",
     "resetkeys",
     "~jobs:*",
     "~{*}:withlock-fence:jobs:*",
@@ -38,16 +42,25 @@ const LOCK_USER_ACL: &[&str] = &[
     "+unsubscribe",
 ];
 
+/// What an operator (`withlock list`, `inspect`, `release --force`) needs
+/// beyond the lock user's rules.
+const OPERATOR_EXTRA: &[&str] = &["+scan", "+pttl", "+type", "+exists"];
+
 static SERVER: LazyLock<RedisServer> = LazyLock::new(|| {
     let server = RedisServer::start().expect("a redis-server of this test's own");
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_connection().unwrap();
-    let mut cmd = redis::cmd("ACL");
-    cmd.arg("SETUSER").arg("locker");
-    for rule in LOCK_USER_ACL {
-        cmd.arg(*rule);
+    for (user, password, extra) in [
+        ("locker", "lock-secret", &[][..]),
+        ("operator", "op-secret", OPERATOR_EXTRA),
+    ] {
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg(user).arg(format!(">{password}"));
+        for rule in LOCK_USER_ACL.iter().chain(extra) {
+            cmd.arg(*rule);
+        }
+        let () = cmd.query(&mut conn).expect("the ACL user is made");
     }
-    let () = cmd.query(&mut conn).expect("the ACL user is made");
     server
 });
 
@@ -57,13 +70,35 @@ fn user_url() -> String {
         .replace("redis://", "redis://locker:lock-secret@")
 }
 
-async fn lock_user_backend() -> RedisBackend {
-    RedisBackend::connect_with(&user_url(), RedisConfig::default().prefix(PREFIX))
+async fn backend_as(url: &str) -> RedisBackend {
+    RedisBackend::connect_with(url, RedisConfig::default().prefix(PREFIX))
         .await
         .expect("connect works without INFO")
 }
 
-lock_conformance::conformance_tests!(lock_user_backend);
+/// Locks as the lock user; the admin cases' reads and forced releases as
+/// the operator, on the same store.
+struct LeastPrivilege;
+
+impl BackendFactory for LeastPrivilege {
+    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
+        Box::pin(async { Arc::new(backend_as(&user_url()).await) as Arc<DynLockBackend> })
+    }
+
+    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
+        Box::pin(async {
+            let operator = SERVER
+                .url()
+                .replace("redis://", "redis://operator:op-secret@");
+            Some(AdminStore {
+                backend: Arc::new(backend_as(&user_url()).await),
+                admin: Arc::new(backend_as(&operator).await),
+            })
+        })
+    }
+}
+
+lock_conformance::conformance_tests!(LeastPrivilege);
 
 /// The user really is that narrow: `INFO`, a key outside the prefix and a
 /// channel outside it are refused.
@@ -79,4 +114,6 @@ fn d3_the_lock_user_has_no_more_rights_than_listed() {
     let channel: redis::RedisResult<i64> =
         redis::cmd("PUBLISH").arg("other").arg("x").query(&mut conn);
     assert!(channel.is_err(), "a channel outside the prefix is refused");
+    let scan: redis::RedisResult<redis::Value> = redis::cmd("SCAN").arg(0).query(&mut conn);
+    assert!(scan.is_err(), "the lock user cannot list keys: {scan:?}");
 }

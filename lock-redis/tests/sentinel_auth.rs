@@ -185,8 +185,9 @@ async fn a8_refused_sentinel_or_data_node_credentials_are_named() {
     );
     assert!(!text.contains("wrong-data-pw") && !format!("{err:?}").contains("wrong-data-pw"));
 
-    // Through a lock call: the driver sees `Unavailable` (nothing was
-    // sent), and the acquire error's source names authentication.
+    // Through a lock call: the driver sees a setup error, said at its
+    // first attempt [A8], and the acquire error's source names
+    // authentication.
     let backend = RedisSentinelBackend::with_config(wrong_data, RedisConfig::default()).unwrap();
     let a = node(backend, "a");
     let once = LockConfig::default()
@@ -208,7 +209,8 @@ async fn a8_refused_sentinel_or_data_node_credentials_are_named() {
                 "lock call with a wrong data-node password: {attempts} attempts, kind {:?}",
                 source.kind()
             );
-            assert_eq!(source.kind(), BackendErrorKind::Unavailable);
+            assert_eq!(source.kind(), BackendErrorKind::Setup);
+            assert_eq!(*attempts, 1, "a8: refused credentials are not retried");
             let text = chain(source);
             assert!(
                 text.contains("the primary named by the Sentinels refused the credentials"),

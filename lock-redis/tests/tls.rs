@@ -101,10 +101,12 @@ async fn a8_a_wrong_ca_is_a_setup_error_and_not_busy() {
     match &result {
         Err(LockError::NotAcquired {
             source: Some(source),
+            attempts,
             ..
         }) => {
             eprintln!("lock call with the wrong CA: kind {:?}", source.kind());
-            assert_eq!(source.kind(), BackendErrorKind::Unavailable);
+            assert_eq!(source.kind(), BackendErrorKind::Setup);
+            assert_eq!(*attempts, 1, "a8: a wrong CA is not retried");
             assert!(chain(source).contains("certificate"), "{}", chain(source));
         }
         other => panic!("expected NotAcquired with a source, got {other:?}"),
