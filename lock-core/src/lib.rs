@@ -60,6 +60,7 @@ mod locker;
 mod metrics;
 mod mutex;
 mod notify;
+mod reexport;
 mod registry;
 mod release;
 mod shutdown;
@@ -78,6 +79,8 @@ pub use locker::Locker;
 #[allow(deprecated)]
 pub use mutex::{Mutex, MutexConfig};
 pub use notify::{ReleaseHub, ReleaseWatch};
+#[doc(hidden)]
+pub use reexport::__reexported;
 pub use shutdown::ShutdownReport;
 
 /// Re-exported so that backend crates implement the trait with the same

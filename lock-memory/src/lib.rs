@@ -24,22 +24,16 @@ use std::time::Duration;
 
 use hashbrown::hash_map::{EntryRef, OccupiedEntry};
 use hashbrown::HashMap;
+// `LockBackend` and `OwnerToken` come in with the re-exports below.
 use lock_core::{
-    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, LockBackend,
-    OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, ReleaseHub,
+    ReleaseOutcome, ReleaseWatch,
 };
 use tokio::time::Instant;
 
-/// The core crate, for wrappers and backend authors.
-pub use lock_core;
-/// Everything a user of this backend needs from `lock-core`, re-exported so
-/// that this one dependency is enough and the versions always match.
-pub use lock_core::{
-    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
-    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
-};
-#[allow(deprecated)]
-pub use lock_core::{Mutex, MutexConfig};
+// `lock_core` itself and everything a user needs from it (one list for
+// every backend crate), so that this one dependency is enough.
+lock_core::reexport_core!();
 
 /// A lock backend in this process's memory, with release notifications.
 ///

@@ -181,13 +181,6 @@ pub use durability::Durability;
 pub use redis;
 pub use sentinel::RedisSentinelBackend;
 
-/// The core crate, for wrappers and backend authors.
-pub use lock_core;
-/// Everything a user of this backend needs from `lock-core`, re-exported so
-/// that this one dependency is enough and the versions always match.
-pub use lock_core::{
-    BackendError, BackendErrorKind, InvalidInput, LockConfig, LockContext, LockError, LockHandle,
-    Locker, LockerOptions, LossCause, RetryAttempts, ShutdownReport,
-};
-#[allow(deprecated)]
-pub use lock_core::{Mutex, MutexConfig};
+// `lock_core` itself and everything a user needs from it (one list for
+// every backend crate), so that this one dependency is enough.
+lock_core::reexport_core!();
