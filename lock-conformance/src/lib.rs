@@ -1,47 +1,4 @@
-//! The behaviour suite that every withlock backend runs, with the wrappers
-//! it uses to inject faults and count round trips.
-//!
-//! Each behaviour of the contract (the workspace README and `SPEC.md`) has a
-//! case here named after its id, such as
-//! [`cases::h4_fencing_token_increases_across_nodes`]. Several lockers
-//! sharing one backend stand for several nodes. Every case makes its own
-//! random key namespace, so cases run in parallel and never touch data they
-//! did not create.
-//!
-//! # Running the suite
-//!
-//! One line in a test file of the backend's crate makes one `#[test]` per
-//! case, each reporting on its own:
-//!
-//! ```ignore
-//! lock_conformance::conformance_tests!(|| async { my_crate::MyBackend::connect().await });
-//! ```
-//!
-//! The argument is a [`BackendFactory`]: any closure giving a future of a
-//! backend. [`run_all`] runs the same list from inside one async test.
-//!
-//! # Writing a new backend
-//!
-//! 1. Implement [`lock_core::LockBackend`] with `#[lock_core::async_trait]`.
-//!    Each method is one atomic step: `try_acquire` takes a free (or
-//!    expired) key for an owner token and returns a fencing token greater
-//!    than any given before for that key; `extend` and `release` act only if
-//!    the key still carries the lease's owner token, comparing key and owner
-//!    only. Never sleep, retry or spawn in a backend: the driver does that.
-//! 2. Declare what you support in [`lock_core::Capabilities`]. Without
-//!    release notifications, return [`lock_core::ReleaseWatch::never`] from
-//!    `watch_release`; with them, build watches with a
-//!    [`lock_core::ReleaseHub`] and make sure the subscription is in place
-//!    before `watch_release` returns.
-//! 3. Run this suite with [`conformance_tests!`]. `tests/toy_backend.rs` in
-//!    this crate is a complete example: a backend of about a hundred lines on a `HashMap`
-//!    that passes every case.
-//!
-//! # Wrappers
-//!
-//! [`FaultInjector`] fails, delays, hangs or lies on demand;
-//! [`CountingBackend`] counts calls. Both wrap any backend, and the suite
-//! passes with either around the memory backend.
+#![doc = include_str!("../README.md")]
 
 pub mod cases;
 mod counting;

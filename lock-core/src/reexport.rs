@@ -40,12 +40,14 @@ pub mod __reexported {
 /// enough and the versions always match:
 ///
 /// ```
-/// // lib.rs of a backend crate
-/// lock_core::reexport_core!();
+/// // At the root of a backend crate; here a module stands for that crate.
+/// mod my_backend {
+///     lock_core::reexport_core!();
+/// }
 /// # fn main() {
-/// # let _: Option<Locker> = None;
-/// # let _: Option<OwnerToken> = None;
-/// # let _: Option<&dyn lock_core::LockBackend> = None;
+/// let _: Option<my_backend::Locker> = None;
+/// let _: Option<my_backend::OwnerToken> = None;
+/// let _: Option<&dyn my_backend::lock_core::LockBackend> = None;
 /// # }
 /// ```
 ///

@@ -1,23 +1,4 @@
-//! `MemoryBackend`: a correct single-process lock backend for withlock.
-//!
-//! For one process, and for users' unit tests: its expiry follows tokio's
-//! clock, so a test under `tokio::time::pause()` can jump past a ttl at once.
-//!
-//! ```
-//! use std::time::Duration;
-//! use lock_memory::{LockConfig, Locker};
-//! use lock_memory::MemoryBackend;
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_memory::LockError> {
-//! let backend = MemoryBackend::new();
-//! // Two lockers on one backend are two nodes.
-//! let (a, b) = (Locker::new(backend.clone()), Locker::new(backend.clone()));
-//! a.with_lock("nightly:import", |_| async {}).await?;
-//! b.with_lock("nightly:import", |_| async {}).await?;
-//! assert_eq!(backend.held_keys(), 0);
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
