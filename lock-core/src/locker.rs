@@ -47,6 +47,7 @@ static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
 /// assert_eq!(rows, 1);
 /// # Ok(()) }
 /// ```
+#[doc = include_str!("../doc/locker.md")]
 #[derive(Clone)]
 pub struct Locker {
     inner: Arc<Inner>,

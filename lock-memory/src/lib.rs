@@ -1,48 +1,22 @@
-//! `MemoryBackend`: a correct single-process lock backend for withlock.
-//!
-//! For one process, and for users' unit tests: its expiry follows tokio's
-//! clock, so a test under `tokio::time::pause()` can jump past a ttl at once.
-//!
-//! ```
-//! use std::time::Duration;
-//! use lock_memory::{LockConfig, Locker};
-//! use lock_memory::MemoryBackend;
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), lock_memory::LockError> {
-//! let backend = MemoryBackend::new();
-//! // Two lockers on one backend are two nodes.
-//! let (a, b) = (Locker::new(backend.clone()), Locker::new(backend.clone()));
-//! a.with_lock("nightly:import", |_| async {}).await?;
-//! b.with_lock("nightly:import", |_| async {}).await?;
-//! assert_eq!(backend.held_keys(), 0);
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
 
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use hashbrown::hash_map::{EntryRef, OccupiedEntry};
 use hashbrown::HashMap;
+// `LockBackend` and `OwnerToken` come in with the re-exports below.
 use lock_core::{
-    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, LockBackend,
-    OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, ReleaseHub,
+    ReleaseOutcome, ReleaseWatch,
 };
 use tokio::time::Instant;
 
 mod admin;
 
-/// The core crate, for wrappers and backend authors.
-pub use lock_core;
-/// Everything a user of this backend needs from `lock-core`, re-exported so
-/// that this one dependency is enough and the versions always match.
-pub use lock_core::{
-    AdminError, BackendError, BackendErrorKind, InvalidInput, LockAdmin, LockConfig, LockContext,
-    LockError, LockHandle, LockInfo, Locker, LockerOptions, LossCause, RetryAttempts,
-    ShutdownReport,
-};
-#[allow(deprecated)]
-pub use lock_core::{Mutex, MutexConfig};
+// `lock_core` itself and everything a user needs from it (one list for
+// every backend crate), so that this one dependency is enough.
+lock_core::reexport_core!();
 
 /// A lock backend in this process's memory, with release notifications.
 ///

@@ -86,6 +86,28 @@ fn key_state(server: &RedisServer, key: &str) -> (Option<String>, i64) {
     (value, pttl)
 }
 
+/// Checks what `key_state` shows at `key` once a hung server has resumed
+/// after an acquisition of node `a` timed out: the key is free, or it holds
+/// a late-landed attempt of `a` (its owner token) with an expiry no longer
+/// than the default 30 s ttl. Anything else (another owner, no expiry) is
+/// a bug of the orphan handling.
+fn assert_free_or_late_attempt_of_a(key: &str, (value, pttl): (Option<String>, i64)) {
+    eprintln!("after resume {key:?} holds {value:?} with pttl {pttl} ms");
+    match value {
+        None => assert_eq!(pttl, -2, "a free key has no ttl"),
+        Some(owner) => {
+            assert!(
+                owner.starts_with("a/"),
+                "only node a's attempt can hold {key:?}, found {owner:?}"
+            );
+            assert!(
+                (1..=30_000).contains(&pttl),
+                "a late attempt holds {key:?} for at most the 30 s ttl, pttl {pttl} ms"
+            );
+        }
+    }
+}
+
 /// The ids of the server's pub/sub client connections.
 fn pubsub_ids(server: &RedisServer) -> Vec<String> {
     server.client_ids("pubsub").unwrap()
@@ -167,10 +189,13 @@ async fn acquisition_against_a_hung_server_gives_up_in_bounded_time() {
     give_up_on_a_hung_server(&server, &a, key).await.resume();
     // Give requests queued while the server was stopped time to land.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (value, pttl) = key_state(&server, key);
-    eprintln!("after resume {key:?} holds {value:?} with pttl {pttl} ms");
+    assert_free_or_late_attempt_of_a(key, key_state(&server, key));
     let took = acquires_within(&a, "another-key", Duration::from_secs(3)).await;
     eprintln!("the same locker took another key {took:?} after the check");
+    assert!(
+        took <= Duration::from_secs(3) + SLACK,
+        "the same locker works again after resume: took another key after {took:?}"
+    );
 }
 
 /// SPEC O3 ("the callback did not run", nothing held) and the cancel-safety
@@ -189,15 +214,28 @@ async fn a_timed_out_acquisition_leaves_nothing_held_after_resume() {
     let key = "hung-acquire-orphan";
     give_up_on_a_hung_server(&server, &a, key).await.resume();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (value, pttl) = key_state(&server, key);
-    eprintln!("after resume {key:?} holds {value:?} with pttl {pttl} ms");
+    assert_free_or_late_attempt_of_a(key, key_state(&server, key));
 
     // Well below the 30 s ttl an attempt that landed late would have set.
     let took = acquires_within(&a, key, Duration::from_secs(3)).await;
     eprintln!("the same locker took the key {took:?} after the check");
+    assert!(
+        took <= Duration::from_secs(3) + SLACK,
+        "no late attempt kept the key from its own locker: took it after {took:?}"
+    );
     let b = node(backend(&server, RedisConfig::default()), "b");
     let took = acquires_within(&b, key, Duration::from_secs(3)).await;
     eprintln!("another locker took the key {took:?} later");
+    assert!(
+        took <= Duration::from_secs(3) + SLACK,
+        "no late attempt kept the key from another locker: took it after {took:?}"
+    );
+    let (value, pttl) = key_state(&server, key);
+    assert_eq!(
+        (value.as_deref(), pttl),
+        (None, -2),
+        "b released the key and nothing of a's is left"
+    );
 }
 
 /// SPEC L2 on a hung server: extensions time out until the lock's validity
@@ -216,14 +254,14 @@ async fn a_hung_server_while_holding_loses_the_lock_after_its_validity() {
         let a = a.clone();
         async move {
             a.with_lock_config(key, &LockConfig::default().ttl(ttl), |ctx| async move {
-                let _ = started_tx.send(());
+                let _ = started_tx.send(ctx.fencing_token());
                 let cause = ctx.lost().await;
                 let _ = seen_tx.send(cause);
             })
             .await
         }
     });
-    within(LIMIT, "callback start", started).await.unwrap();
+    let lost_token = within(LIMIT, "callback start", started).await.unwrap();
     // Let at least one extension go through first.
     tokio::time::sleep(ttl / 2).await;
 
@@ -264,6 +302,10 @@ async fn a_hung_server_while_holding_loses_the_lock_after_its_validity() {
     paused.resume();
     let took = acquires_within(&a, key, Duration::from_secs(4)).await;
     eprintln!("the same locker took the key again {took:?} after resume");
+    assert!(
+        took <= Duration::from_secs(4) + SLACK,
+        "the lost lock's key is free again: took it after {took:?}"
+    );
     let token = within(
         LIMIT,
         "with_lock after resume",
@@ -271,7 +313,10 @@ async fn a_hung_server_while_holding_loses_the_lock_after_its_validity() {
     )
     .await
     .unwrap();
-    assert!(token >= 3, "fencing token {token} after two acquisitions");
+    assert!(
+        token > lost_token,
+        "the token after resume ({token}) is above the lost lock's ({lost_token}) [H4]"
+    );
 }
 
 /// The subscription connection hangs for longer than the health check
@@ -322,9 +367,12 @@ async fn a_waiter_survives_a_hung_subscription() {
         },
     )
     .await;
-    eprintln!(
-        "subscription down {:?} after the pause",
-        paused_at.elapsed()
+    let noticed_after = paused_at.elapsed();
+    eprintln!("subscription down {noticed_after:?} after the pause");
+    // One health-check interval, one ping's command timeout, and slack.
+    assert!(
+        noticed_after <= Duration::from_millis(500 + 300) + SLACK,
+        "the hung subscription was noticed {noticed_after:?} after the pause"
     );
     // Stay hung a little longer, through failed resubscriptions.
     tokio::time::sleep(Duration::from_millis(500)).await;

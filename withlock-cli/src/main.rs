@@ -1,7 +1,4 @@
-//! `withlock`: run a command while holding a lock across every host that
-//! shares a lock backend (Redis or PostgreSQL), and list, inspect or
-//! force-release those locks. See `withlock --help` and the README of this
-//! crate.
+#![doc = include_str!("../README.md")]
 
 mod admin;
 mod args;

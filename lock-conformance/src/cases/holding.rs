@@ -61,6 +61,7 @@ pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFac
     let mut h = crashed.handle(&key, ttl).unwrap();
     let taken_at = Instant::now();
     assert!(h.acquire().await.unwrap());
+    let crashed_token = h.fencing_token().expect("the handle holds its lock");
     // Dropped without a release ever reaching the store.
     drop(h);
 
@@ -72,7 +73,10 @@ pub async fn h2_stalled_holder_loses_lock_within_ttl(factory: Arc<dyn BackendFac
     .await
     .expect("the lock expired and was taken");
     let waited = taken_at.elapsed();
-    assert!(b_token > 0);
+    assert!(
+        b_token > crashed_token,
+        "the new holder's token {b_token} is above the crashed holder's {crashed_token} [H4]"
+    );
     assert!(
         waited + Duration::from_millis(50) >= ttl,
         "taken over after {waited:?}, before the ttl of {ttl:?} ran out"
