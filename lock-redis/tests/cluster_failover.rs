@@ -193,6 +193,113 @@ async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
     }
 }
 
+/// SPEC L4 on a real cluster: a master SIGSTOPped until its replica is
+/// promoted, with a ttl (2 s) shorter than the failover
+/// (`cluster-node-timeout` 2 s, then the election). Every lock on the two
+/// healthy masters is kept: their extensions never stop while the stopped
+/// master's hang. The stopped master's locks are kept or reported lost,
+/// never silently doubled (a waiter on each key checks that no untold
+/// holder is inside), and the waiters get every key after with greater
+/// fencing tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l4_a_stopped_master_makes_only_its_own_locks_lost() {
+    let cluster = Arc::new(RedisCluster::start().unwrap());
+    let urls = cluster.urls();
+    let scratch = ScratchClusterBackend::new(&urls, RedisConfig::default());
+    let config = RedisConfig::default().prefix(scratch.namespace().prefix());
+    let other = RedisClusterBackend::from_urls_with(&urls, config).unwrap();
+    let masters = cluster.master_ports().unwrap();
+    let victim = masters[0];
+    let mut keys = keys_served(&cluster, &scratch, victim, true, 3);
+    let victim_slot = key_slot(&scratch.lock_key(&keys[0]));
+    let stalled = keys.len();
+    for &port in &masters[1..] {
+        keys.extend(keys_served(&cluster, &scratch, port, true, 3));
+    }
+    let holder = node(scratch, "holder");
+    let waiter = node(other, "waiter");
+    let (stop, stopped) = watch::channel(false);
+    let ttl = Duration::from_secs(2);
+    let mut held = Vec::new();
+    for key in &keys {
+        held.push(hold(&holder, key, ttl, &stopped).await);
+    }
+    // A first extension round on every master.
+    tokio::time::sleep(ttl / 2).await;
+
+    let stopped_at = Instant::now();
+    cluster.node(victim).unwrap().pause().unwrap();
+    let promoted = {
+        let cluster = Arc::clone(&cluster);
+        tokio::task::spawn_blocking(move || {
+            cluster.wait_for_failover(victim_slot, victim, Duration::from_secs(30))
+        })
+        .await
+        .unwrap()
+    };
+    let failover = stopped_at.elapsed();
+    eprintln!("failover after {failover:?}: {promoted:?}");
+    let resumed = cluster.node(victim).unwrap().resume();
+    let new_master = promoted.unwrap();
+    resumed.unwrap();
+    assert!(
+        failover > ttl,
+        "the failover ({failover:?}) must outlast the ttl to show anything"
+    );
+    // The healthy masters' locks were never reported lost.
+    for h in &mut held[stalled..] {
+        if h.call.is_finished() {
+            let got = (&mut h.call).await.unwrap();
+            panic!(
+                "{} on a healthy master was reported lost during the failover of another: {got:?}",
+                h.key
+            );
+        }
+    }
+    // Waiters on every key; two more extension rounds on the new master.
+    let waiters: Vec<_> = held
+        .iter()
+        .map(|h| {
+            wait_for(
+                &waiter,
+                &h.key,
+                Arc::clone(&h.inside),
+                Duration::from_millis(200),
+            )
+        })
+        .collect();
+    tokio::time::sleep(ttl * 2 / 3).await;
+    let _ = stop.send(true);
+    for (i, h) in held.iter_mut().enumerate() {
+        let kept = within(LIMIT, "holder end", &mut h.call).await.unwrap();
+        if i >= stalled {
+            assert!(
+                matches!(kept, Ok(true)),
+                "{} on a healthy master: {kept:?}",
+                h.key
+            );
+        } else {
+            match &kept {
+                Ok(held_to_the_end) => eprintln!("{}: kept ({held_to_the_end})", h.key),
+                Err(e) => {
+                    assert!(e.is_lost(), "{}: {e:?}", h.key);
+                    eprintln!("{}: reported lost: {e}", h.key);
+                }
+            }
+        }
+    }
+    eprintln!("new master of the stopped one's slots: {new_master}");
+    for (h, w) in held.iter().zip(waiters) {
+        let (token, _) = within(LIMIT, "waiter", w).await.unwrap().unwrap();
+        assert!(
+            token > h.token,
+            "{}: token {token} after {}",
+            h.key,
+            h.token
+        );
+    }
+}
+
 /// A slot holding a held lock and a subscribed waiter moves to another
 /// master (`SETSLOT IMPORTING/MIGRATING`, `MIGRATE`, `SETSLOT NODE`): the
 /// holder's extensions keep working across the move, the server's

@@ -13,7 +13,7 @@ use crate::{RedisClusterBackend, RedisConfig};
 
 /// A Redis Cluster of `redis-server` children: masters with replicas, no
 /// persistence, `cluster-node-timeout` 2 s (a killed master's replica is
-/// promoted in about 5 s).
+/// promoted in about 5 s), `cluster-require-full-coverage no`.
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
@@ -59,6 +59,11 @@ impl RedisCluster {
             "2000",
             "--cluster-config-file",
             "nodes.conf",
+            // As the lock-redis docs advise for production: the healthy
+            // masters go on serving their slots while another master's are
+            // uncovered, instead of every node answering CLUSTERDOWN.
+            "--cluster-require-full-coverage",
+            "no",
         ];
         if tls.is_some() {
             args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
@@ -226,7 +231,8 @@ impl RedisCluster {
     }
 
     /// Waits until a running master other than `old_port` serves `slot`
-    /// (after a failover) and the running nodes agree the cluster is ok.
+    /// (after a failover) and the running nodes other than the old master
+    /// (killed, or paused and so not answering) agree the cluster is ok.
     ///
     /// # Errors
     ///
@@ -235,11 +241,17 @@ impl RedisCluster {
         let started = Instant::now();
         loop {
             if let Ok(port) = self.master_port_of_slot(slot) {
-                let ok = self.nodes.iter().filter(|n| n.pid().is_some()).all(|n| {
-                    n.connection()
-                        .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
-                        .is_ok_and(|info| info.contains("cluster_state:ok"))
-                });
+                let ok = self
+                    .nodes
+                    .iter()
+                    .filter(|n| n.pid().is_some() && n.port() != old_port)
+                    .all(|n| {
+                        n.connection()
+                            .and_then(|mut c| {
+                                redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c)
+                            })
+                            .is_ok_and(|info| info.contains("cluster_state:ok"))
+                    });
                 if port != old_port && ok {
                     return Ok(port);
                 }
