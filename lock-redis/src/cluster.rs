@@ -86,7 +86,7 @@ impl RedisClusterBackend {
     ///
     /// [`SetupError::InvalidConfig`] when a field of `config` is out of range.
     pub fn with_config(client: ClusterClient, config: RedisConfig) -> Result<Self, SetupError> {
-        config.validate()?;
+        validate(&config)?;
         Ok(Self::build(client, Vec::new(), false, config))
     }
 
@@ -113,7 +113,7 @@ impl RedisClusterBackend {
         urls: impl IntoIterator<Item = T>,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        config.validate()?;
+        validate(&config)?;
         Self::from_infos(parse_urls(urls)?, &Trust::system(), config)
     }
 
@@ -133,7 +133,7 @@ impl RedisClusterBackend {
         certificates: redis::TlsCertificates,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        config.validate()?;
+        validate(&config)?;
         let trust = Trust::custom(certificates);
         Self::from_infos(trusted(parse_urls(urls)?, &trust)?, &trust, config)
     }
@@ -196,7 +196,7 @@ impl RedisClusterBackend {
         urls: impl IntoIterator<Item = T>,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        config.validate()?;
+        validate(&config)?;
         Self::checked(parse_urls(urls)?, Trust::system(), config).await
     }
 
@@ -218,7 +218,7 @@ impl RedisClusterBackend {
         certificates: redis::TlsCertificates,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        config.validate()?;
+        validate(&config)?;
         Self::checked(parse_urls(urls)?, Trust::custom(certificates), config).await
     }
 
@@ -472,6 +472,20 @@ impl RedisClusterBackend {
         });
         Ok(futures_util::future::join_all(each).await)
     }
+}
+
+/// `config` checked for a cluster: in range, and asking nothing the
+/// cluster backend cannot do. `durability` (`WAIT` after each acquisition)
+/// is refused rather than ignored: this backend does not send `WAIT` yet.
+fn validate(config: &RedisConfig) -> Result<(), SetupError> {
+    config.validate()?;
+    if config.durability.is_some() {
+        return Err(SetupError::InvalidConfig {
+            field: "durability",
+            reason: "is not supported by RedisClusterBackend yet (it would not send WAIT): refused rather than ignored",
+        });
+    }
+    Ok(())
 }
 
 /// The shard channel of `slot`: `{N}:<prefix>withlock:released`.
@@ -1023,6 +1037,23 @@ mod tests {
                 assert!(channel.ends_with(&format!("{prefix}{CHANNEL}")));
             }
         }
+    }
+
+    #[test]
+    fn a_durability_setting_is_refused_not_ignored() {
+        let config = RedisConfig::default()
+            .durability(crate::Durability::new(1, Duration::from_millis(100)));
+        let refused = RedisClusterBackend::from_urls_with(["redis://127.0.0.1:1"], config);
+        assert!(
+            matches!(
+                refused,
+                Err(SetupError::InvalidConfig {
+                    field: "durability",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
     }
 
     #[test]
