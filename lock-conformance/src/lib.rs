@@ -60,7 +60,7 @@ macro_rules! __with_cases {
             h4_fencing_token_increases_across_nodes,
             h5_stale_owner_changes_nothing,
             h6_callback_never_starts_on_a_late_lease,
-            l1_expired_key_is_lost_at_next_extension,
+            l1_key_gone_while_valid_is_lost_as_taken,
             l1_taken_key_is_lost_at_next_extension,
             l2_extension_errors_retry_then_lose,
             l4_batch_errors_touch_only_their_leases,

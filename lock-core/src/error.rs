@@ -95,14 +95,15 @@ impl LockError {
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LossCause {
-    /// The lock's validity ran out: the key had expired (or was deleted)
-    /// when the driver went to extend it, or the callback settled after the
-    /// last confirmed expiry (a stalled holder).
+    /// The lock's validity ran out: the callback settled after the last
+    /// confirmed expiry (a stalled holder), or an extension sent after it
+    /// found the key gone.
     #[error("the key expired before it was extended")]
     Expired,
     /// Another owner held the key when the driver went to extend or release
-    /// it, or the key had been deleted while it was still valid.
-    #[error("another owner took the key")]
+    /// it, or the key was found gone while this owner's validity still ran
+    /// (deleted, freed by an operator, or lost by the store) \[L1\].
+    #[error("another owner took the key, or it was deleted or freed while held")]
     Taken,
     /// Extensions failed on backend errors until the lock's validity ran
     /// out, or the release after the callback settled got no answer while

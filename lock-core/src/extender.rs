@@ -246,6 +246,12 @@ fn apply(
                 let due = e.held.extension_due();
                 wake |= s.schedule(id, due);
             }
+            // [L1] A key found gone by an extension sent while the lock
+            // was valid did not expire: it was deleted, freed or lost by
+            // the store (a flush, a failover that missed the write).
+            Ok(ExtendOutcome::Expired) if sent_at < e.held.valid_until() => {
+                lost.push((id, LossCause::Taken));
+            }
             Ok(ExtendOutcome::Expired) => lost.push((id, LossCause::Expired)),
             Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
             Err(error) => {

@@ -70,11 +70,12 @@ async fn server_killed_while_callback_runs_is_lost_with_the_redis_error() {
 }
 
 /// SPEC L1 and the restart promise: the server comes back empty while a
-/// callback runs; the next extension finds the key gone (Expired). Then the
+/// callback runs; the next extension finds the key gone while it was
+/// still valid (Taken: it did not expire). Then the
 /// same locker takes the key again, and a waiter is woken by pub/sub (its
 /// subscription reconnected) rather than its 30 s retry timer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_restarted_empty_is_lost_as_expired_then_works_again() {
+async fn server_restarted_empty_is_lost_as_taken_then_works_again() {
     let server = RedisServer::start().unwrap();
     let backend = RedisBackend::from_url(&server.url()).unwrap();
     let a = node(backend.clone(), "a");
@@ -83,7 +84,7 @@ async fn server_restarted_empty_is_lost_as_expired_then_works_again() {
     let first_token = within(LIMIT, "callback start", running).await.unwrap();
     server.restart().unwrap();
     let cause = loss_cause(within(LIMIT, "loss", call).await.unwrap());
-    assert!(matches!(cause, LossCause::Expired), "cause {cause:?}");
+    assert!(matches!(cause, LossCause::Taken), "cause {cause:?}");
 
     // The same locker works again, without a new process or backend.
     let token = within(
@@ -129,10 +130,11 @@ async fn server_restarted_empty_is_lost_as_expired_then_works_again() {
     );
 }
 
-/// SPEC L1: another client overwrites the key (Taken) or deletes it
-/// (Expired) while a callback runs: lost at the next extension.
+/// SPEC L1: another client overwrites the key or deletes it while a
+/// callback runs: lost at the next extension, both `Taken` (a key deleted
+/// while valid did not expire).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn key_overwritten_or_deleted_is_lost_as_taken_or_expired() {
+async fn l1_key_overwritten_or_deleted_is_lost_as_taken() {
     let url = server_url().await;
     let ns = Namespace::new(&url);
     let backend = RedisBackend::from_url(&url).unwrap();
@@ -153,7 +155,7 @@ async fn key_overwritten_or_deleted_is_lost_as_taken_or_expired() {
     within(LIMIT, "callback start", running).await.unwrap();
     let _: () = conn.del(&key).await.unwrap();
     let cause = loss_cause(within(LIMIT, "loss", call).await.unwrap());
-    assert!(matches!(cause, LossCause::Expired), "cause {cause:?}");
+    assert!(matches!(cause, LossCause::Taken), "cause {cause:?}");
     let exists: bool = conn.exists(&key).await.unwrap();
     assert!(!exists, "an extension never re-creates the key");
 }
