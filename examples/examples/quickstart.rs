@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_memory::lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, LockConfig, LockError, Locker, LockerOptions, LossCause, OwnerToken,
+    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
+    Lease, LockBackend, LockConfig, LockError, Locker, LockerOptions, LossCause, OwnerToken,
     ReleaseOutcome, ReleaseWatch,
 };
 use lock_memory::MemoryBackend;
@@ -425,6 +425,10 @@ impl LockBackend for IntruderBackend {
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.inner.release(lease).await
+    }
+
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.inner.hold(lease, hold).await
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {

@@ -9,15 +9,15 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
+    Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
 };
 
 use crate::faults::Step;
 
 #[derive(Default)]
 struct Counts {
-    calls: [AtomicU64; 4],
+    calls: [AtomicU64; crate::faults::STEPS],
     extended_leases: AtomicU64,
     /// When each `try_acquire` was called, with its key and owner token.
     attempts: Mutex<Vec<(Instant, String, OwnerToken)>>,
@@ -146,6 +146,11 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.count(Step::Release);
         self.inner.release(lease).await
+    }
+
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.count(Step::Hold);
+        self.inner.hold(lease, hold).await
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
 };
 
 /// A step of the backend trait.
@@ -23,9 +23,11 @@ pub enum Step {
     Release,
     /// `watch_release`.
     WatchRelease,
+    /// `hold`, the minimum hold's step \[H7\].
+    Hold,
 }
 
-const STEPS: usize = 4;
+pub(crate) const STEPS: usize = 5;
 
 impl Step {
     pub(crate) fn index(self) -> usize {
@@ -34,6 +36,7 @@ impl Step {
             Self::Extend => 1,
             Self::Release => 2,
             Self::WatchRelease => 3,
+            Self::Hold => 4,
         }
     }
 }
@@ -357,6 +360,18 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
         }
         let answer = self.inner.release(lease).await;
         self.lose_answer(Step::Release, answer)
+    }
+
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.enter(Step::Hold).await?;
+        if self.is_stolen(lease.key()) {
+            return Ok(ExtendOutcome::Taken);
+        }
+        let answer = self.inner.hold(lease, hold).await;
+        if let Some(late) = self.take_late_answer(Step::Hold) {
+            tokio::time::sleep(late).await;
+        }
+        self.lose_answer(Step::Hold, answer)
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {

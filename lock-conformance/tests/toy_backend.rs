@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
+    Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
 };
 
 #[derive(Debug, Default)]
@@ -90,6 +90,10 @@ impl LockBackend for ToyBackend {
 
     fn failure_domain(&self, _key: &str) -> u64 {
         0
+    }
+
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        Ok(self.extend_one(lease, hold.from_now))
     }
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {

@@ -246,6 +246,39 @@ impl<'a> Holding<'a> {
         (Some(answer), held, pass)
     }
 
+    /// Leaves the lock to expire at `ends`, the end of its minimum hold of
+    /// `at_least` \[H7\], instead of releasing it; answers as
+    /// [`release`](Self::release) does. The step goes on to its end if
+    /// this future is dropped: it is owed, as a release is.
+    pub(crate) async fn hold_to_minimum(
+        self,
+        at_least: Duration,
+        ends: Instant,
+    ) -> (
+        Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
+        Arc<HeldLock>,
+        Option<GatePass<'a>>,
+    ) {
+        let Self {
+            mut release_on_drop,
+            held,
+            pass,
+        } = self;
+        release_on_drop.armed = false;
+        let ReleaseOnDrop { inner, id, .. } = release_on_drop;
+        if !inner.registry.take_for_hold(id) {
+            return (None, held, pass);
+        }
+        let step = crate::hold::leave_to_minimum(
+            Arc::clone(&inner.registry),
+            Arc::clone(&held),
+            at_least,
+            ends,
+        );
+        let answer = finish_even_if_dropped(step, |_| {}).await;
+        (Some(answer), held, pass)
+    }
+
     /// Gives the lock up after a loss: the extender or shutdown already
     /// took it out; if not, it is released in the background.
     pub(crate) fn abandon(mut self) {

@@ -277,6 +277,33 @@ pub struct ExtendRequest {
     pub ttl: Duration,
 }
 
+/// How long a lock whose callback settled early is left to live \[H7\],
+/// for [`LockBackend::hold`]: until its acquisition plus the config's
+/// [`hold_at_least`](crate::LockConfig::hold_at_least).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Hold {
+    /// The minimum hold, counted from the acquisition. A store that records
+    /// when it gave the key (PostgreSQL's `locked_at`) sets the expiry to
+    /// that record plus this.
+    pub since_acquired: Duration,
+    /// What is left of it now by the driver's clock, counted from the
+    /// moment the acquisition was answered (so never short of the store's
+    /// own count). A store without its own record of the acquisition sets
+    /// the expiry to this from now.
+    pub from_now: Duration,
+}
+
+impl Hold {
+    /// A hold of `since_acquired` from the acquisition, `from_now` of it left.
+    pub fn new(since_acquired: Duration, from_now: Duration) -> Self {
+        Self {
+            since_acquired,
+            from_now,
+        }
+    }
+}
+
 /// The results of a batch that one server answered as a whole, in the form
 /// [`LockBackend::extend_many`] gives: each lease its own outcome, or, when
 /// the round trip failed, every lease the batch's error. An answer with
@@ -508,6 +535,18 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// Frees the key of `lease`, if it still holds it.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError>;
 
+    /// Leaves the key of `lease`, if it still holds it, to expire when its
+    /// minimum hold ends, instead of releasing it \[H7\]: at the store's
+    /// record of the acquisition plus [`Hold::since_acquired`] where the
+    /// store keeps one, else [`Hold::from_now`] from now. The expiry may
+    /// move earlier or later than it was. Answers as
+    /// [`extend`](Self::extend) does; like it, it never creates a missing
+    /// key. The driver sends no extension of the lease after it (and waits
+    /// for any in flight before it); a backend whose `extend` resets the
+    /// expiry to `ttl` from now may implement it as
+    /// `extend(lease, hold.from_now)`.
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError>;
+
     /// [`try_acquire`](Self::try_acquire) answered at once, for a backend
     /// that keeps its locks in this process and never waits: `Some(answer)`
     /// spares the driver a boxed future, and a dropped caller has nothing in
@@ -620,6 +659,15 @@ macro_rules! forward_lock_backend {
             ) -> ::std::result::Result<$crate::ReleaseOutcome, $crate::BackendError> {
                 let $this = self;
                 $crate::LockBackend::release($inner, lease).await
+            }
+
+            async fn hold(
+                &self,
+                lease: &$crate::Lease,
+                hold: $crate::Hold,
+            ) -> ::std::result::Result<$crate::ExtendOutcome, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::hold($inner, lease, hold).await
             }
 
             async fn watch_release(

@@ -118,6 +118,21 @@ pub struct LockConfig {
     /// Default: 100 ms (node-redlock's ±100 ms on 200 ms).
     #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub retry_jitter: Duration,
+    /// The minimum hold \[H7\] (ShedLock's `lockAtLeastFor`): a callback
+    /// that settles sooner than this after the acquisition does not release
+    /// the lock; the lock is left to expire when the minimum is over, and
+    /// nothing extends it after the callback. So a short job started by
+    /// cron on several hosts, whose clocks or start times differ by less
+    /// than this, runs once per period. The call still gives the
+    /// callback's output at once. It counts from the store's own record of
+    /// the acquisition where it keeps one (PostgreSQL's `locked_at`), else
+    /// from the moment this node received the acquisition's answer, so the
+    /// hold is never shorter.
+    ///
+    /// Default: zero (release as soon as the callback settles). At most
+    /// [`MAX_TTL`].
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
+    pub hold_at_least: Duration,
 }
 
 impl Default for LockConfig {
@@ -133,6 +148,7 @@ impl LockConfig {
         retry_attempts: RetryAttempts::Limited(10),
         retry_delay: Duration::from_millis(200),
         retry_jitter: Duration::from_millis(100),
+        hold_at_least: Duration::ZERO,
     };
 }
 
@@ -173,6 +189,13 @@ impl LockConfig {
         self
     }
 
+    /// Sets [`LockConfig::hold_at_least`]. Defaults to zero.
+    #[must_use]
+    pub fn hold_at_least(mut self, minimum: Duration) -> Self {
+        self.hold_at_least = minimum;
+        self
+    }
+
     /// One delay between two counted attempts: `retry_delay ± retry_jitter`,
     /// drawn uniformly.
     pub(crate) fn jittered_delay(&self) -> Duration {
@@ -196,6 +219,12 @@ impl LockConfig {
         }
         if self.retry_delay.is_zero() && self.retry_attempts == RetryAttempts::Unlimited {
             return Err(InvalidInput::ZeroDelayUnlimited);
+        }
+        if self.hold_at_least > MAX_TTL {
+            return Err(InvalidInput::HoldTooLong {
+                hold: self.hold_at_least,
+                max: MAX_TTL,
+            });
         }
         Ok(())
     }
@@ -386,6 +415,12 @@ mod tests {
             .retry_attempts(3)
             .validate()
             .is_ok());
+        assert!(c.hold_at_least.is_zero(), "no minimum hold by default");
+        assert!(c.hold_at_least(MAX_TTL).validate().is_ok());
+        assert!(matches!(
+            c.hold_at_least(MAX_TTL + Duration::from_secs(1)).validate(),
+            Err(InvalidInput::HoldTooLong { .. })
+        ));
         assert!(matches!(
             c.retry_delay(MAX_RETRY_DELAY * 2).validate(),
             Err(InvalidInput::RetryDelayTooLong { .. })

@@ -291,6 +291,14 @@ pub enum InvalidInput {
         /// The maximum.
         max: Duration,
     },
+    /// The minimum hold is longer than the maximum.
+    #[error("hold_at_least {hold:?} is above the maximum of {max:?}")]
+    HoldTooLong {
+        /// The minimum hold given.
+        hold: Duration,
+        /// The maximum.
+        max: Duration,
+    },
     /// A zero retry delay with unlimited attempts would spin on the backend.
     #[error(
         "retry_delay is zero with unlimited retry attempts: the wait would spin on the backend"

@@ -86,16 +86,29 @@ async fn run(running: Running, wake: Arc<Notify>) {
 #[derive(Default)]
 struct Batch {
     ids: Vec<u64>,
+    /// The records, counted as extending until the batch is answered.
+    helds: Vec<Arc<HeldLock>>,
     requests: Vec<ExtendRequest>,
     /// The earliest validity in the batch: an answer after it says nothing.
     deadline: Option<Instant>,
 }
 
 impl Batch {
-    fn push(&mut self, id: u64, request: ExtendRequest, valid_until: Instant) {
+    fn push(&mut self, id: u64, held: Arc<HeldLock>, request: ExtendRequest, valid_until: Instant) {
         self.deadline = Some(self.deadline.map_or(valid_until, |d| d.min(valid_until)));
         self.ids.push(id);
+        self.helds.push(held);
         self.requests.push(request);
+    }
+}
+
+impl Drop for Batch {
+    /// Answered, given up or dropped with its task: its locks are no longer
+    /// extending.
+    fn drop(&mut self) {
+        for held in &self.helds {
+            held.extension_answered();
+        }
     }
 }
 
@@ -133,11 +146,13 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
             lease: e.held.lease.clone(),
             ttl,
         };
+        let held = Arc::clone(&e.held);
+        held.extension_sent();
         s.schedule.pop_first();
         if let Some(e) = s.entries.get_mut(&id) {
             e.due = None;
         }
-        due_now.push((id, request, valid_until));
+        due_now.push((id, held, request, valid_until));
     }
     // With nothing to extend right after locks were taken (most are
     // released before a first extension), look again in a quarter of a
@@ -165,10 +180,14 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
 /// each of one failure domain, so that a hung server holds up only the
 /// leases it holds \[L4\]. Asked outside the registry's lock: the
 /// backend's answer may take its own locks.
-fn batches(registry: &Registry, due: Vec<(u64, ExtendRequest, Instant)>) -> Vec<Batch> {
+#[allow(clippy::type_complexity)]
+fn batches(
+    registry: &Registry,
+    due: Vec<(u64, Arc<HeldLock>, ExtendRequest, Instant)>,
+) -> Vec<Batch> {
     let mut open: Vec<(u64, Batch)> = Vec::new();
     let mut full = Vec::new();
-    for (id, request, valid_until) in due {
+    for (id, held, request, valid_until) in due {
         let domain = registry.backend.failure_domain(request.lease.key());
         let i = match open.iter().position(|(d, _)| *d == domain) {
             Some(i) => i,
@@ -178,7 +197,7 @@ fn batches(registry: &Registry, due: Vec<(u64, ExtendRequest, Instant)>) -> Vec<
             }
         };
         let batch = &mut open[i].1;
-        batch.push(id, request, valid_until);
+        batch.push(id, held, request, valid_until);
         if batch.ids.len() == registry.max_batch {
             full.push(std::mem::take(batch));
         }

@@ -1,7 +1,7 @@
 //! `HeldLock`: the one record of a lock this node holds, shared by the call
 //! that took it, the extender, shutdown and the callback's `LockContext`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -58,6 +58,11 @@ pub(crate) struct HeldLock {
     extended_by_nanos: AtomicU64,
     lost: OnceLock<LossCause>,
     ended: AtomicBool,
+    /// How many extensions of this lock are on their way: a minimum hold
+    /// waits for them before it sets the expiry \[H7\]. Counted up by the
+    /// extender under the registry's lock, so none starts after the lock
+    /// left the registry.
+    extending: AtomicUsize,
     signal: Signal,
     meter: Meter,
     held_for: HeldTimer,
@@ -86,6 +91,7 @@ impl HeldLock {
             extended_by_nanos: AtomicU64::new(0),
             lost: OnceLock::new(),
             ended: AtomicBool::new(false),
+            extending: AtomicUsize::new(0),
             signal: Signal::default(),
             meter,
             held_for: HeldTimer::start(),
@@ -146,6 +152,25 @@ impl HeldLock {
         let by = until.saturating_duration_since(self.valid_from_acquisition);
         let nanos = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
         self.extended_by_nanos.fetch_max(nanos, Ordering::AcqRel);
+    }
+
+    /// Counts an extension sent.
+    pub(crate) fn extension_sent(&self) {
+        self.extending.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Counts an extension answered (or given up).
+    pub(crate) fn extension_answered(&self) {
+        if self.extending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.signal.notify_waiters();
+        }
+    }
+
+    /// Resolves once no extension of this lock is on its way.
+    pub(crate) async fn extensions_answered(&self) {
+        self.signal
+            .wait_until(|| (self.extending.load(Ordering::Acquire) == 0).then_some(()))
+            .await;
     }
 
     /// Records the loss; the first cause wins. Returns whether this call set it.

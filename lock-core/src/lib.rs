@@ -10,6 +10,7 @@ mod extender;
 mod gate;
 mod handle;
 mod held;
+mod hold;
 mod locker;
 mod metrics;
 mod mutex;
@@ -23,7 +24,7 @@ mod task;
 pub use admin::{AdminError, LockAdmin, LockInfo};
 pub use backend::{
     batch_results, AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest,
-    Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
+    Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
 };
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use context::LockContext;

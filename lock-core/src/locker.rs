@@ -161,7 +161,9 @@ impl Locker {
     /// - While the callback runs, the lock is extended about every `ttl / 3`.
     /// - The lock is released as soon as the callback settles, also when it
     ///   panics (the panic then resumes here). A failed release is not
-    ///   reported: the key expires with its ttl.
+    ///   reported: the key expires with its ttl. With
+    ///   [`LockConfig::hold_at_least`], a callback that settles sooner
+    ///   leaves the lock to expire at the end of that minimum instead.
     /// - If the lock is lost while the callback runs, this returns
     ///   [`LockError::Lost`] at once and the callback keeps running in the
     ///   background, where [`LockContext::is_lost`] tells it. Use
@@ -271,6 +273,7 @@ impl Locker {
             config
         };
         let lock = self.acquire(key, config).await?;
+        let acquired_at = Instant::now();
         let ctx = LockContext {
             held: Arc::clone(&lock.held),
         };
@@ -287,16 +290,28 @@ impl Locker {
                 if !lock.held.is_valid_at(now) {
                     lock.held.mark_lost(LossCause::Expired);
                 }
-                let (answer, held, pass) = lock.release(now).await;
+                // [H7] Settled before its minimum hold ended: left to
+                // expire then, not released.
+                let hold = &config.hold_at_least;
+                let in_hold = !hold.is_zero()
+                    && now < acquired_at + *hold
+                    && lock.held.loss_cause().is_none();
+                let (answer, held, pass) = if in_hold {
+                    lock.hold_to_minimum(*hold, acquired_at + *hold).await
+                } else {
+                    lock.release(now).await
+                };
                 match answer {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
                         held.mark_lost(LossCause::Taken);
                     }
-                    // A release that failed proves nothing either way: the
-                    // validity was intact when the callback settled, so its
-                    // output stands, and the key expires with its ttl.
+                    // A release (or minimum hold) that failed proves
+                    // nothing either way: the validity was intact when the
+                    // callback settled, so its output stands, and the key
+                    // expires with its ttl.
                     Some(Err(error)) => {
-                        tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "release failed after the callback settled; its output stands and the key expires with its ttl");
+                        let step = if in_hold { "minimum hold" } else { "release" };
+                        tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "{step} failed after the callback settled; its output stands and the key expires with its ttl");
                     }
                     Some(Ok(ReleaseOutcome::Released)) | None => {}
                 }

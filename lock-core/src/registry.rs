@@ -318,6 +318,18 @@ impl Registry {
         Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
     }
 
+    /// Takes a lock out to leave it to its minimum hold \[H7\]: its hold
+    /// step is owed like a release (shutdown waits for it) until
+    /// [`release_settled`](Self::release_settled). False if it was already
+    /// taken out (lost, or released by shutdown).
+    pub(crate) fn take_for_hold(&self, id: u64) -> bool {
+        let taken = self.take_owed(id).is_some();
+        if taken {
+            self.changed.notify_waiters_after_locked_change();
+        }
+        taken
+    }
+
     /// Takes a lock out, its release counted as owed from now on; those
     /// waiting for the registry to change are not told yet.
     fn take_owed(&self, id: u64) -> Option<Arc<HeldLock>> {

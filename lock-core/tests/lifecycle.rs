@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Lease, LockBackend, LockConfig, Locker, OwnerToken, ReleaseOutcome,
+    ExtendRequest, Hold, Lease, LockBackend, LockConfig, Locker, OwnerToken, ReleaseOutcome,
     ReleaseWatch,
 };
 use lock_memory::MemoryBackend;
@@ -127,6 +127,9 @@ impl LockBackend for Failing {
     }
     fn failure_domain(&self, key: &str) -> u64 {
         self.inner.failure_domain(key)
+    }
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.inner.hold(lease, hold).await
     }
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.releases.fetch_add(1, Ordering::SeqCst);

@@ -153,6 +153,13 @@ impl lock_core::LockBackend for WholeSeconds {
     fn failure_domain(&self, key: &str) -> u64 {
         self.inner.failure_domain(key)
     }
+    async fn hold(
+        &self,
+        lease: &lock_core::Lease,
+        hold: lock_core::Hold,
+    ) -> Result<lock_core::ExtendOutcome, lock_core::BackendError> {
+        self.inner.hold(lease, hold).await
+    }
     async fn release(
         &self,
         lease: &lock_core::Lease,

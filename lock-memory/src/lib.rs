@@ -7,8 +7,8 @@ use hashbrown::hash_map::{EntryRef, OccupiedEntry};
 use hashbrown::HashMap;
 // `LockBackend` and `OwnerToken` come in with the re-exports below.
 use lock_core::{
-    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Lease, ReleaseHub,
-    ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Hold, Lease,
+    ReleaseHub, ReleaseOutcome, ReleaseWatch,
 };
 use tokio::time::Instant;
 
@@ -248,6 +248,17 @@ impl LockBackend for MemoryBackend {
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         Ok(self.release_at(lease, Instant::now()))
+    }
+
+    /// The expiry counts from the driver's clock: the time left of the
+    /// minimum hold \[H7\].
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        Ok(Self::extend_one(
+            &mut self.lock(),
+            lease,
+            hold.from_now,
+            Instant::now(),
+        ))
     }
 
     // Every step answers at once: the driver takes these, with its own

@@ -55,7 +55,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// so that both see the same load.
 async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>> {
     let locker = Locker::new(Arc::clone(backend));
-    let [acquire, _, release] = backend.statements();
+    let [acquire, _, _, release] = backend.statements();
     let (acquire, release) = (acquire.to_owned(), release.to_owned());
     let channel = backend.config().channel.clone();
     let pool = backend.pool().clone();

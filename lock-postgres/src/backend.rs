@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities,
-    ExtendOutcome, ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
+    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
     ReleaseWatch, MAX_KEY_LEN,
 };
 use sqlx::pool::PoolConnection;
@@ -176,10 +176,11 @@ impl PostgresBackend {
         &self.inner.table
     }
 
-    /// The SQL text of the three steps (acquire, extend, release), for
-    /// review: they read the time from the database only and bind only the
-    /// key, the owner token, the ttl in microseconds and the channel.
-    pub fn statements(&self) -> [&str; 3] {
+    /// The SQL text of the four steps (acquire, extend, the minimum hold,
+    /// release), for review: they read the time from the database only and
+    /// bind only the key, the owner token, a duration in microseconds and
+    /// the channel.
+    pub fn statements(&self) -> [&str; 4] {
         self.inner.sql.all()
     }
 
@@ -311,12 +312,24 @@ impl PostgresBackend {
         &self,
         requests: &[ExtendRequest],
     ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        self.extension_statement("extend", &self.inner.sql.extend, requests)
+            .await
+    }
+
+    /// The statement of `extend` or `hold` (`sql`), whose third parameter
+    /// is each request's `ttl` in µs.
+    async fn extension_statement(
+        &self,
+        step: &'static str,
+        sql: &str,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
         let keys: Vec<&str> = requests.iter().map(|r| r.lease.key()).collect();
         let owners: Vec<&str> = requests.iter().map(|r| r.lease.owner().as_str()).collect();
         let ttls: Vec<i64> = requests.iter().map(|r| micros(r.ttl)).collect();
         let rows = self
-            .step("extend", |mut conn| async move {
-                sqlx::query_as::<_, (i64, i32)>(&self.inner.sql.extend)
+            .step(step, |mut conn| async move {
+                sqlx::query_as::<_, (i64, i32)>(sql)
                     .bind(&keys)
                     .bind(&owners)
                     .bind(&ttls)
@@ -473,6 +486,22 @@ impl LockBackend for PostgresBackend {
         } else {
             ReleaseOutcome::NotHeld
         })
+    }
+
+    /// Sets `locked_until` to `locked_at` plus the minimum hold: the row's
+    /// own record of the acquisition \[H7\].
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        let request = ExtendRequest {
+            lease: lease.clone(),
+            ttl: hold.since_acquired,
+        };
+        let outcomes = self
+            .extension_statement("hold", &self.inner.sql.hold, std::slice::from_ref(&request))
+            .await?;
+        outcomes
+            .into_iter()
+            .next()
+            .ok_or_else(|| protocol("no outcome for the minimum hold"))
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {

@@ -40,6 +40,9 @@ pub(crate) struct Statements {
     /// Returns `(ord, outcome)` per request in order: 0 extended, 1 expired
     /// (free, expired or missing), 2 taken (another owner, not expired).
     pub(crate) extend: String,
+    /// As `extend`, with `$3` the minimum hold in µs \[H7\]: `locked_until`
+    /// becomes `locked_at` plus it (or now, if that has passed).
+    pub(crate) hold: String,
     /// `$1` key, `$2` owner, and `$3` channel when notifications are on.
     /// Returns one row, `held` (whether the lease was still valid), when
     /// `locked_by` was ours; no row otherwise.
@@ -76,28 +79,12 @@ impl Statements {
              WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
              RETURNING l.sequence::bigint"
         );
-        // The update touches only rows still held by the lease; the outer
-        // select tells an expired or missing row from another owner's.
-        let extend = format!(
-            "{NOW}, \
-             req AS (SELECT r.key, r.owner, r.ttl_us, r.ord \
-                     FROM unnest($1::text[], $2::text[], $3::bigint[]) \
-                          WITH ORDINALITY AS r(key, owner, ttl_us, ord)), \
-             extended AS (UPDATE {table} AS l \
-                          SET locked_until = now.t + req.ttl_us * interval '1 microsecond' \
-                          FROM req, now \
-                          WHERE l.key = req.key AND l.locked_by = req.owner \
-                            AND l.locked_until >= now.t \
-                          RETURNING l.key, l.locked_by) \
-             SELECT req.ord, CASE \
-               WHEN e.key IS NOT NULL THEN {EXTENDED} \
-               WHEN l.locked_by IS NOT NULL AND l.locked_by <> req.owner \
-                    AND l.locked_until >= now.t THEN {TAKEN} \
-               ELSE {EXPIRED} END AS outcome \
-             FROM req CROSS JOIN now \
-             LEFT JOIN extended AS e ON e.key = req.key AND e.locked_by = req.owner \
-             LEFT JOIN {table} AS l ON l.key = req.key \
-             ORDER BY req.ord"
+        let extend = extension(table, "now.t + req.ttl_us * interval '1 microsecond'");
+        // [H7] The minimum hold counts from the row's own record of the
+        // acquisition; a hold already over frees the row now.
+        let hold = extension(
+            table,
+            "GREATEST(l.locked_at + req.ttl_us * interval '1 microsecond', now.t)",
         );
         // Release keeps the row, its sequence and its locked_until (as Ruby
         // Locker does), and announces the key in the same statement.
@@ -114,12 +101,41 @@ impl Statements {
         Self {
             acquire,
             extend,
+            hold,
             release,
         }
     }
 
     /// Every statement, for tests that check what the backend sends.
-    pub(crate) fn all(&self) -> [&str; 3] {
-        [&self.acquire, &self.extend, &self.release]
+    pub(crate) fn all(&self) -> [&str; 4] {
+        [&self.acquire, &self.extend, &self.hold, &self.release]
     }
+}
+
+/// The statement of [`Statements::extend`], setting `locked_until` to
+/// `until` (an expression of `l`, the row, `req`, the request, and `now`).
+/// The update touches only rows still held by the lease; the outer select
+/// tells an expired or missing row from another owner's.
+fn extension(table: &str, until: &str) -> String {
+    format!(
+        "{NOW}, \
+         req AS (SELECT r.key, r.owner, r.ttl_us, r.ord \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[]) \
+                      WITH ORDINALITY AS r(key, owner, ttl_us, ord)), \
+         extended AS (UPDATE {table} AS l \
+                      SET locked_until = {until} \
+                      FROM req, now \
+                      WHERE l.key = req.key AND l.locked_by = req.owner \
+                        AND l.locked_until >= now.t \
+                      RETURNING l.key, l.locked_by) \
+         SELECT req.ord, CASE \
+           WHEN e.key IS NOT NULL THEN {EXTENDED} \
+           WHEN l.locked_by IS NOT NULL AND l.locked_by <> req.owner \
+                AND l.locked_until >= now.t THEN {TAKEN} \
+           ELSE {EXPIRED} END AS outcome \
+         FROM req CROSS JOIN now \
+         LEFT JOIN extended AS e ON e.key = req.key AND e.locked_by = req.owner \
+         LEFT JOIN {table} AS l ON l.key = req.key \
+         ORDER BY req.ord"
+    )
 }

@@ -66,3 +66,38 @@ async fn the_statements_read_time_from_the_database_only() {
         assert!(!sql.contains("$4"), "{sql}");
     }
 }
+
+/// \[H7\] The minimum hold counts from the row's own record of the
+/// acquisition: after a callback that settled at once, `locked_until -
+/// locked_at` is exactly the minimum, to the microsecond, however long the
+/// driver took to send the hold step.
+#[tokio::test]
+async fn h7_the_minimum_hold_counts_from_locked_at() {
+    let backend = Arc::new(TestBackend::new(&database_url()).await.unwrap());
+    let locker = Locker::new(Arc::clone(&backend));
+    let key = format!("hold:{:016x}", rand::random::<u64>());
+    let hold = Duration::from_millis(1_500);
+    let config = LockConfig::default().retry_attempts(0).hold_at_least(hold);
+    locker
+        .with_lock_config(&key, &config, |_| {
+            // A callback that takes some of its minimum: the hold step's
+            // own clock reading would give a later end.
+            tokio::time::sleep(Duration::from_millis(200))
+        })
+        .await
+        .unwrap();
+    let sql = format!(
+        "SELECT (locked_until - locked_at) = $2::bigint * interval '1 microsecond', \
+                locked_by IS NOT NULL \
+         FROM {} WHERE key = $1",
+        backend.qualified_table()
+    );
+    let (exact, held) = sqlx::query_as::<_, (bool, bool)>(&sql)
+        .bind(&key)
+        .bind(1_500_000_i64)
+        .fetch_one(backend.pool())
+        .await
+        .unwrap();
+    assert!(held, "the row is left held, not released");
+    assert!(exact, "locked_until - locked_at is the minimum hold");
+}

@@ -11,8 +11,8 @@ use deadpool_redis::{Pool, PoolError, Runtime};
 use futures_util::FutureExt;
 use lock_core::{
     async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities,
-    ExtendOutcome, ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
-    MAX_KEY_LEN,
+    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome,
+    ReleaseWatch, MAX_KEY_LEN,
 };
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, Script};
@@ -1072,6 +1072,14 @@ impl LockBackend for RedisBackend {
             i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
         };
         release_outcome(answer)
+    }
+
+    /// The extension script with the time left of the minimum hold \[H7\]
+    /// (Redis keeps no record of when a key was set). At least 1 ms, as
+    /// `PEXPIRE 0` would delete the key.
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.extend(lease, hold.from_now.max(Duration::from_millis(1)))
+            .await
     }
 
     /// A watch on `key`, returned once the backend's one subscription is

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
@@ -1004,6 +1004,14 @@ impl LockBackend for RedisClusterBackend {
             )
             .await?;
         release_outcome(answer)
+    }
+
+    /// The extension script with the time left of the minimum hold \[H7\]
+    /// (Redis keeps no record of when a key was set). At least 1 ms, as
+    /// `PEXPIRE 0` would delete the key.
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        self.extend(lease, hold.from_now.max(Duration::from_millis(1)))
+            .await
     }
 
     /// A watch on `key`, returned once the shard channel of the key's slot

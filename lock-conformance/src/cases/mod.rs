@@ -5,6 +5,7 @@
 mod acquire;
 mod admin;
 mod cancel;
+mod hold;
 mod holding;
 mod lost;
 mod mutex;
@@ -18,6 +19,7 @@ mod validity;
 pub use acquire::*;
 pub use admin::*;
 pub use cancel::*;
+pub use hold::*;
 pub use holding::*;
 pub use lost::*;
 pub use mutex::*;
