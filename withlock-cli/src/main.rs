@@ -40,6 +40,7 @@ fn main() -> ExitCode {
         Command::Supervise(args) => return supervise::main(args),
         other => other,
     };
+    library_events();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -73,6 +74,20 @@ fn main() -> ExitCode {
             ExitCode::from(failure.code)
         }
     }
+}
+
+/// The library's own events (a lost lock's cause, a release that failed,
+/// retries) on stderr, as `RUST_LOG` selects them (`RUST_LOG=info`); none
+/// without it.
+fn library_events() {
+    let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
 }
 
 /// Prints a clap error as one line (help and version as clap prints them)

@@ -111,12 +111,45 @@ fn refusal_of(error: &(dyn StdError + 'static)) -> Option<Refusal> {
 /// trying again cannot mend, with what to do about it; 69 otherwise.
 pub(crate) fn failure(what: &str, error: &(dyn StdError + 'static)) -> Failure {
     let refusal = refusal(error);
-    let mut message = format!("{what}: {}", Chain(error));
+    let mut message = match refusal {
+        // The store's own words say what: the backend error's kind line
+        // ("unreachable", "refused the step") adds nothing, or misleads.
+        Some(_) => format!("{what}: {}", Words(error)),
+        None => format!("{what}: {}", Chain(error)),
+    };
     if let Some(hint) = refusal.and_then(Refusal::hint) {
         message.push_str("; ");
         message.push_str(hint);
     }
     Failure::new(refusal.map_or(exit::UNAVAILABLE, Refusal::code), message)
+}
+
+/// An error and its sources on one line, as [`Chain`], without the
+/// lines of the [`lock_core::BackendError`]s in it, which name only a
+/// kind.
+struct Words<'a>(&'a (dyn StdError + 'static));
+
+impl std::fmt::Display for Words<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut shown = String::new();
+        let mut next = Some(self.0);
+        while let Some(error) = next {
+            next = error.source();
+            if error.is::<lock_core::BackendError>() {
+                continue;
+            }
+            let text = error.to_string();
+            if shown.contains(&text) {
+                continue;
+            }
+            if !shown.is_empty() {
+                f.write_str(": ")?;
+            }
+            f.write_str(&text)?;
+            shown = text;
+        }
+        Ok(())
+    }
 }
 
 /// A backend on the one Redis server `url` names, having asked it for a
@@ -132,7 +165,7 @@ pub(crate) async fn redis_server(url: &str, config: RedisConfig) -> Result<Redis
                 .map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))
         }
         Err(error) => match refusal(&error) {
-            Some(_) => Err(failure("Redis", &error)),
+            Some(_) => Err(failure("the Redis server refused", &error)),
             None => Err(Failure::usage(format!("--url: {}", Chain(&error)))),
         },
     }

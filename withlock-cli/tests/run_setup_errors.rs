@@ -46,10 +46,9 @@ async fn a8_redis_wrong_password_is_77() {
     let output = finish(&mut withlock(["list", "--url", &url])).await;
     assert_eq!(code(&output), 77, "{}", stderr(&output));
     // The right password works: the refusal was the password's.
-    let output = finish(&mut withlock(["run", "--url", &user.url_with(&user.password), "--key"])
-        .arg(format!("withlock-test-acl-{:016x}", rand::random::<u64>()))
-        .args(["--", "true"]))
-    .await;
+    let key = format!("withlock-test-acl-{:016x}", rand::random::<u64>());
+    let right = user.url_with(&user.password);
+    let output = finish(&mut withlock(["run", "--url", &right, "--key", &key, "--", "true"])).await;
     assert_eq!(code(&output), 0, "{}", stderr(&output));
 }
 
