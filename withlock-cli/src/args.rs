@@ -99,14 +99,16 @@ pub(crate) enum Command {
     /// meant for a holder known to be dead.
     #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
     Release(ReleaseArgs),
-    /// Whether KEY is held: exit 0 and print its holder, fencing token and
-    /// time left when it is, exit 1 when it is free.
+    /// Whether KEY is held: exit 0 when it is, 1 when it is free.
+    ///
+    /// Prints the holder, fencing token and time left of a held key.
     #[command(after_long_help = STORE_HELP)]
     Status(StatusArgs),
-    /// Set the store up for withlock: on PostgreSQL, create the lock table
-    /// if it is missing (the schema must exist). Needs the right to create
-    /// it; `run` then needs only SELECT, INSERT, UPDATE and DELETE on the
-    /// table and USAGE on its id sequence. Redis needs nothing.
+    /// Set the store up: on PostgreSQL, create the lock table if missing.
+    ///
+    /// The schema must exist, and the role must be allowed to create the
+    /// table; `run` then needs only SELECT, INSERT, UPDATE and DELETE on the
+    /// table and USAGE on its id sequence. Idempotent. Redis needs nothing.
     #[command(after_long_help = STORE_HELP)]
     Migrate(MigrateArgs),
     /// Internal: the supervisor `run` starts CMD through.
@@ -214,11 +216,17 @@ impl StoreArgs {
 /// whitespace.
 fn read_url_file(path: &std::path::Path) -> Result<String, Failure> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Failure::usage(format!("--url-file {}: cannot read it: {e}", path.display()))
+        Failure::usage(format!(
+            "--url-file {}: cannot read it: {e}",
+            path.display()
+        ))
     })?;
     let url = text.lines().map(str::trim).find(|l| !l.is_empty());
     url.map(str::to_owned).ok_or_else(|| {
-        Failure::usage(format!("--url-file {}: the file holds no URL", path.display()))
+        Failure::usage(format!(
+            "--url-file {}: the file holds no URL",
+            path.display()
+        ))
     })
 }
 

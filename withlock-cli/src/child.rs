@@ -434,13 +434,20 @@ mod tests {
 
     #[test]
     fn programs_are_found_as_a_shell_finds_them() {
-        let sh = find_program(OsStr::new("sh"), Some(OsStr::new("/nonexistent:/bin:/usr/bin")))
-            .unwrap();
+        let sh = find_program(
+            OsStr::new("sh"),
+            Some(OsStr::new("/nonexistent:/bin:/usr/bin")),
+        )
+        .unwrap();
         assert!(sh.ends_with("sh"), "{}", sh.display());
-        let missing = find_program(OsStr::new("no-such-withlock-cmd"), Some(OsStr::new("/bin")))
-            .unwrap_err();
+        let missing =
+            find_program(OsStr::new("no-such-withlock-cmd"), Some(OsStr::new("/bin"))).unwrap_err();
         assert_eq!(missing.code, exit::NOT_FOUND);
-        assert!(missing.message.contains("no-such-withlock-cmd"), "{}", missing.message);
+        assert!(
+            missing.message.contains("no-such-withlock-cmd"),
+            "{}",
+            missing.message
+        );
         let dir = find_program(OsStr::new("/tmp"), None).unwrap_err();
         assert_eq!(dir.code, exit::CANNOT_EXECUTE);
         let file = find_program(OsStr::new("/etc/passwd"), None).unwrap_err();

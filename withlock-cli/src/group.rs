@@ -132,14 +132,8 @@ mod tests {
 
     #[test]
     fn stat_lines_with_odd_names_parse() {
-        assert_eq!(
-            state_and_group("42 (sh) S 1 42 42 0 -1"),
-            Some(('S', 42))
-        );
-        assert_eq!(
-            state_and_group("7 (a) b (c) Z 1 9 9 0"),
-            Some(('Z', 9))
-        );
+        assert_eq!(state_and_group("42 (sh) S 1 42 42 0 -1"), Some(('S', 42)));
+        assert_eq!(state_and_group("7 (a) b (c) Z 1 9 9 0"), Some(('Z', 9)));
         assert_eq!(state_and_group("garbage"), None);
     }
 

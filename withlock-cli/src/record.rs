@@ -75,13 +75,11 @@ impl Record {
         match self.format {
             None => {}
             Some(LogFormat::Text) => {
-                let ran = ended
-                    .ran
-                    .map_or_else(|| "did not run".to_owned(), |r| format!("ran {}", ttl_text(r)));
-                let cause = ended
-                    .cause
-                    .map(|c| format!(", {c}"))
-                    .unwrap_or_default();
+                let ran = ended.ran.map_or_else(
+                    || "did not run".to_owned(),
+                    |r| format!("ran {}", ttl_text(r)),
+                );
+                let cause = ended.cause.map(|c| format!(", {c}")).unwrap_or_default();
                 eprintln!(
                     "withlock: {} ended on host {} as node {}: {ran}, exit {}{cause}",
                     Shown(&self.key),

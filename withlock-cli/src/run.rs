@@ -125,7 +125,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     }
     shared.lock().clear_line();
 
-    let busy = |holder: Option<&str>| End::busy(&args.key, holder, waited, args.busy_exit, args.quiet);
+    let busy =
+        |holder: Option<&str>| End::busy(&args.key, holder, waited, args.busy_exit, args.quiet);
     let end = match result {
         Ended::WaitOver => match wait_over(&store, &args.key).await {
             Ok(holder) => busy(holder.as_deref()),
@@ -167,7 +168,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         Ended::Call(Err(LockError::NotAcquired { source: None, .. })) => {
             busy(holder(&store, &args.key).await.as_deref())
         }
-        Ended::Call(Err(error)) => End::failed(not_run(&store, &args.key, &error), waited, "backend"),
+        Ended::Call(Err(error)) => {
+            End::failed(not_run(&store, &args.key, &error), waited, "backend")
+        }
     };
     locker.shutdown(SHUTDOWN_GRACE).await;
     record.ended(&record::Ended {
@@ -391,10 +394,18 @@ fn lost(key: &str, cause: &lock_core::LossCause, done: Option<Done>, waited: Ins
             };
             (Some(token), waited, command, Some(outcome.ran))
         }
-        Some(Done { token, waited, .. }) => {
-            (Some(token), waited, "the command did not start".to_owned(), None)
-        }
-        None => (None, waited.elapsed(), "the command was killed".to_owned(), None),
+        Some(Done { token, waited, .. }) => (
+            Some(token),
+            waited,
+            "the command did not start".to_owned(),
+            None,
+        ),
+        None => (
+            None,
+            waited.elapsed(),
+            "the command was killed".to_owned(),
+            None,
+        ),
     };
     End {
         code: exit::LOST,

@@ -14,13 +14,12 @@ async fn table_exists(schema: &str) -> bool {
         .connect(&database_url())
         .await
         .unwrap();
-    let found: Option<String> = lock_postgres::sqlx::query_scalar(
-        "SELECT to_regclass(format('%I.locks', $1::text))::text",
-    )
-    .bind(schema)
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let found: Option<String> =
+        lock_postgres::sqlx::query_scalar("SELECT to_regclass(format('%I.locks', $1::text))::text")
+            .bind(schema)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     pool.close().await;
     found.is_some()
 }
@@ -32,7 +31,12 @@ async fn d3_run_runs_no_ddl_and_names_migrate() {
     let scratch = Scratch::new();
     let ran = scratch.path("ran").display().to_string();
 
-    let output = finish(withlock(["run"]).args(&args).args(["--key", "k", "--", "touch", &ran])).await;
+    let output = finish(
+        withlock(["run"])
+            .args(&args)
+            .args(["--key", "k", "--", "touch", &ran]),
+    )
+    .await;
     let message = stderr(&output);
     assert_eq!(code(&output), 78, "{message}");
     assert!(message.contains("withlock migrate"), "{message}");
@@ -45,7 +49,12 @@ async fn d3_run_runs_no_ddl_and_names_migrate() {
         assert!(stdout(&output).contains("ready"), "{}", stdout(&output));
         assert!(table_exists(schema.name()).await);
     }
-    let output = finish(withlock(["run"]).args(&args).args(["--key", "k", "--", "touch", &ran])).await;
+    let output = finish(
+        withlock(["run"])
+            .args(&args)
+            .args(["--key", "k", "--", "touch", &ran]),
+    )
+    .await;
     assert_eq!(code(&output), 0, "{}", stderr(&output));
     assert!(scratch.path("ran").exists());
 }
@@ -92,7 +101,11 @@ async fn d3_a_role_with_dml_rights_only_runs_jobs() {
     // The migration needs more: refused, 77.
     let output = finish(withlock(["migrate"]).args(&args)).await;
     assert_eq!(code(&output), 77, "{}", stderr(&output));
-    assert!(stderr(&output).contains("permission denied"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("permission denied"),
+        "{}",
+        stderr(&output)
+    );
 }
 
 #[tokio::test]
@@ -100,5 +113,9 @@ async fn migrate_on_redis_has_nothing_to_do() {
     let store = Store::redis().await;
     let output = finish(&mut store.cmd("migrate")).await;
     assert_eq!(code(&output), 0, "{}", stderr(&output));
-    assert!(stdout(&output).contains("nothing to do"), "{}", stdout(&output));
+    assert!(
+        stdout(&output).contains("nothing to do"),
+        "{}",
+        stdout(&output)
+    );
 }

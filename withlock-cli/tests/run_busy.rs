@@ -80,7 +80,11 @@ async fn a_waiter_runs_once_the_lock_is_free(store: Store) {
         .unwrap();
     // Started (its signal handlers are set before it tries the lock); the
     // lock is held, so it cannot have run, however far it got.
-    common::catches(child.id().unwrap(), nix::sys::signal::Signal::SIGTERM as i32).await;
+    common::catches(
+        child.id().unwrap(),
+        nix::sys::signal::Signal::SIGTERM as i32,
+    )
+    .await;
     assert!(!scratch.path("ran").exists(), "ran while the lock was held");
     held.release().await.unwrap();
     let output = common::wait(child).await;

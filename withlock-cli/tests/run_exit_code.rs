@@ -91,8 +91,16 @@ async fn a_missing_command_is_named_before_the_lock_is_taken(store: Store) {
     std::fs::write(&not_executable, "#!/bin/sh\ntrue\n").unwrap();
     let not_executable = not_executable.display().to_string();
     for (command, expected, names) in [
-        ("/nonexistent/withlock-test-command", 127, "/nonexistent/withlock-test-command"),
-        ("withlock-test-no-such-command", 127, "withlock-test-no-such-command"),
+        (
+            "/nonexistent/withlock-test-command",
+            127,
+            "/nonexistent/withlock-test-command",
+        ),
+        (
+            "withlock-test-no-such-command",
+            127,
+            "withlock-test-no-such-command",
+        ),
         (not_executable.as_str(), 126, not_executable.as_str()),
     ] {
         let output = finish(

@@ -83,9 +83,11 @@ async fn leftovers_of_a_command_that_exits_are_swept(store: Store) {
         plain = scratch.sh("plain"),
     );
     let started = Instant::now();
-    let output = common::finish(store.cmd("run").args([
-        "--grace", "1s", "--key", &key, "--", "sh", "-c", &script,
-    ]))
+    let output = common::finish(
+        store
+            .cmd("run")
+            .args(["--grace", "1s", "--key", &key, "--", "sh", "-c", &script]),
+    )
     .await;
     assert_eq!(code(&output), 5, "{}", stderr(&output));
     let stubborn = number(&scratch.path("stubborn")).await;
@@ -149,10 +151,17 @@ async fn max_runtime_ends_the_group_with_124(store: Store) {
     .await;
     let took = started.elapsed();
     assert_eq!(code(&output), 124, "{}", stderr(&output));
-    assert!(stderr(&output).contains("--max-runtime"), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("--max-runtime"),
+        "{}",
+        stderr(&output)
+    );
     assert!(took >= Duration::from_secs(2), "ended after {took:?}");
     assert!(took < Duration::from_secs(10), "ended after {took:?}");
-    let (pid, bg) = (number(&scratch.path("pid")).await, number(&scratch.path("bg")).await);
+    let (pid, bg) = (
+        number(&scratch.path("pid")).await,
+        number(&scratch.path("bg")).await,
+    );
     assert!(!common::alive(pid) && !common::alive(bg));
     assert_eq!(store.stored(&key).await.owner, None, "released");
 }

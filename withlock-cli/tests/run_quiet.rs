@@ -12,12 +12,13 @@ async fn quiet_says_nothing_when_busy(store: Store) {
     let scratch = Scratch::new();
     let ran = scratch.path("ran").display().to_string();
     for quiet in ["-q", "--quiet"] {
-        let output = finish(
-            store
-                .cmd("run")
-                .args([quiet, "--no-wait", "--key", &key, "--", "touch", &ran]),
-        )
-        .await;
+        let output =
+            finish(
+                store
+                    .cmd("run")
+                    .args([quiet, "--no-wait", "--key", &key, "--", "touch", &ran]),
+            )
+            .await;
         assert_eq!(code(&output), 75, "{}", stderr(&output));
         assert_eq!(stderr(&output), "", "{quiet} printed on stderr");
         assert_eq!(stdout(&output), "");
@@ -56,12 +57,7 @@ async fn busy_exit_sets_the_code_of_a_busy_lock(store: Store) {
             &ran,
         ]))
         .await;
-        assert_eq!(
-            code(&output).to_string(),
-            busy_exit,
-            "{}",
-            stderr(&output)
-        );
+        assert_eq!(code(&output).to_string(), busy_exit, "{}", stderr(&output));
         assert_eq!(stderr(&output).is_empty(), quiet, "{}", stderr(&output));
     }
     assert!(!scratch.path("ran").exists(), "the command ran");

@@ -48,7 +48,10 @@ async fn a8_redis_wrong_password_is_77() {
     // The right password works: the refusal was the password's.
     let key = format!("withlock-test-acl-{:016x}", rand::random::<u64>());
     let right = user.url_with(&user.password);
-    let output = finish(&mut withlock(["run", "--url", &right, "--key", &key, "--", "true"])).await;
+    let output = finish(&mut withlock([
+        "run", "--url", &right, "--key", &key, "--", "true",
+    ]))
+    .await;
     assert_eq!(code(&output), 0, "{}", stderr(&output));
 }
 
@@ -103,7 +106,11 @@ async fn a8_postgres_missing_privilege_is_77() {
     // May log in and see the schema, but has no right on the table.
     let role = Role::create("LOGIN").await;
     let schema = store.args()[3].clone();
-    common::sql(&format!("GRANT USAGE ON SCHEMA \"{schema}\" TO \"{}\"", role.name)).await;
+    common::sql(&format!(
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO \"{}\"",
+        role.name
+    ))
+    .await;
     let args = as_role(&store, &role);
     let mut all: Vec<&str> = args.iter().map(String::as_str).collect();
     all.extend(["--no-wait", "--key", "k"]);
@@ -116,8 +123,17 @@ async fn a8_postgres_missing_database_is_78() {
     let role = Role::create("LOGIN").await;
     let url = role.url();
     let (base, _) = url.rsplit_once('/').unwrap();
-    let url = format!("{base}/withlock_no_such_database_{:08x}", rand::random::<u32>());
-    refused(&["--url", &url, "--key", "k"], 78, "does not exist", "\u{0}").await;
+    let url = format!(
+        "{base}/withlock_no_such_database_{:08x}",
+        rand::random::<u32>()
+    );
+    refused(
+        &["--url", &url, "--key", "k"],
+        78,
+        "does not exist",
+        "\u{0}",
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -137,7 +137,11 @@ async fn bad_new_options_are_refused() {
 
 #[tokio::test]
 async fn keys_with_control_characters_are_refused() {
-    refused(&["run", "--url", URL, "--key", "a\nb", "--", "true"], "control").await;
+    refused(
+        &["run", "--url", URL, "--key", "a\nb", "--", "true"],
+        "control",
+    )
+    .await;
     refused(&["status", "--url", URL, "a\u{1b}[2Jb"], "control").await;
     refused(&["inspect", "--url", URL, "tab\there"], "control").await;
     refused(&["status", "--url", URL, ""], "empty").await;

@@ -435,7 +435,10 @@ impl AclUser {
         let password = format!("{:032x}", rand::random::<u128>());
         let mut conn = client.get_multiplexed_async_connection().await.unwrap();
         let mut cmd = redis::cmd("ACL");
-        cmd.arg("SETUSER").arg(&name).arg("on").arg(format!(">{password}"));
+        cmd.arg("SETUSER")
+            .arg(&name)
+            .arg("on")
+            .arg(format!(">{password}"));
         for rule in rules.split_whitespace() {
             cmd.arg(rule);
         }
