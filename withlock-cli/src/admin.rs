@@ -4,7 +4,7 @@
 
 use lock_core::AdminError;
 
-use crate::args::{InspectArgs, ListArgs, ReleaseArgs};
+use crate::args::{InspectArgs, ListArgs, MigrateArgs, ReleaseArgs, StatusArgs};
 use crate::exit::{Failure, NOT_A_LOCK, USAGE};
 use crate::format::{details, table, ttl_text, view_json, Shown};
 use crate::store::{Scheme, Store};
@@ -17,7 +17,7 @@ pub(crate) async fn list(args: ListArgs) -> Result<u8, Failure> {
         .admin()
         .list_locks(&args.prefix)
         .await
-        .map_err(|e| Failure::unavailable(store.name(), &e))?;
+        .map_err(|e| Failure::backend(store.name(), &e))?;
     if args.json {
         let all: Vec<_> = views.iter().map(view_json).collect();
         println!("{}", serde_json::Value::Array(all));
@@ -37,7 +37,7 @@ pub(crate) async fn inspect(args: InspectArgs) -> Result<u8, Failure> {
         .admin()
         .inspect(&args.key)
         .await
-        .map_err(|e| Failure::unavailable(store.name(), &e))?;
+        .map_err(|e| Failure::backend(store.name(), &e))?;
     if args.json {
         println!("{}", view_json(&view));
     } else {
@@ -66,8 +66,8 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
         Err(refused @ AdminError::NotALock { .. }) => {
             return Err(Failure::new(NOT_A_LOCK, refused.to_string()))
         }
-        Err(AdminError::Backend(e)) => return Err(Failure::unavailable(store.name(), &e)),
-        Err(other) => return Err(Failure::unavailable(store.name(), &other)),
+        Err(AdminError::Backend(e)) => return Err(Failure::backend(store.name(), &e)),
+        Err(other) => return Err(Failure::backend(store.name(), &other)),
     };
     match freed {
         Some(view) => {
@@ -83,6 +83,51 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
             );
         }
         None => println!("{} was not held", Shown(&args.key)),
+    }
+    Ok(0)
+}
+
+/// `withlock status`: 0 when the key is held (printing holder, fencing
+/// token and time left), 1 when it is free.
+pub(crate) async fn status(args: StatusArgs) -> Result<u8, Failure> {
+    Scheme::of(&args.store.url)?;
+    let store = Store::open(&args.store).await?;
+    let view = store
+        .admin()
+        .inspect(&args.key)
+        .await
+        .map_err(|e| Failure::backend(store.name(), &e))?;
+    let held = view.is_held();
+    if args.json {
+        println!("{}", view_json(&view));
+    } else if held {
+        let node = view.node_id().unwrap_or_default();
+        let left = view.ttl.map_or_else(
+            || "no expiry".to_owned(),
+            |t| format!("{} left", ttl_text(t)),
+        );
+        let token = view
+            .fencing_token
+            .map_or_else(|| "none".to_owned(), |t| t.to_string());
+        println!(
+            "{} is held by {} (fencing token {token}, {left})",
+            Shown(&args.key),
+            Shown(node)
+        );
+    } else {
+        println!("{} is free", Shown(&args.key));
+    }
+    Ok(if held { 0 } else { 1 })
+}
+
+/// `withlock migrate`: creates the PostgreSQL lock table if it is
+/// missing; nothing to do on Redis.
+pub(crate) async fn migrate(args: MigrateArgs) -> Result<u8, Failure> {
+    Scheme::of(&args.store.url)?;
+    let store = Store::open(&args.store).await?;
+    match store.migrate().await? {
+        Some(table) => println!("the lock table {table} is ready"),
+        None => println!("{} needs no setup: nothing to do", store.name()),
     }
     Ok(0)
 }

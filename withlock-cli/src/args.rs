@@ -1,9 +1,12 @@
 //! The command line, as clap parses it.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::exit::Failure;
 
 /// The exit codes, as `--help` shows them.
 const EXIT_CODES: &str = "\
@@ -13,15 +16,24 @@ Exit codes of `withlock run`:
   64     bad arguments (EX_USAGE); nothing was touched
   69     the lock backend could not be reached or failed (EX_UNAVAILABLE);
          the command did not run
-  75     the lock was busy until the wait ran out (EX_TEMPFAIL); the
-         command did not run
+  75     the lock was busy until the wait ran out (EX_TEMPFAIL; another
+         code with --busy-exit); the command did not run
+  77     the backend refused the credentials or a permission
+         (EX_NOPERM); the command did not run
+  78     the backend is not set up: no such database, schema or table
+         (create it with `withlock migrate`), a database index out of
+         range, a column of the wrong type (EX_CONFIG); it did not run
   79     the lock was lost while the command ran: the command was sent
          SIGTERM, then SIGKILL after --grace, whatever it then returned
-  126    the command could not be executed; 127: it was not found
+  124    the command ran past --max-runtime and was terminated
+  126    the command could not be executed; 127: it was not found (both
+         checked before the lock is taken)
   128+S  withlock got signal S while waiting; the command did not run
-Admin commands exit 0, 64 or 69; `release --force` exits 65 (EX_DATAERR)
-when the key is not a withlock lock (a list, a hash, a value without an
-expiry or of another format): it was left untouched.";
+A command's own exit code of 75-79 or 124 cannot be told from withlock's.
+`status` exits 0 when the key is held and 1 when it is free. Admin
+commands exit 0, 64, 69, 77 or 78; `release --force` exits 65
+(EX_DATAERR) when the key is not a withlock lock (a list, a hash, a value
+without an expiry or of another format): it was left untouched.";
 
 /// Where the locks are: the backend URL and its table or prefix.
 const STORE_HELP: &str = "\
@@ -35,9 +47,11 @@ Backends, by URL scheme:
       the primary that the Sentinels at host:port name MASTER (the user and
       password are the Sentinels'; the primary is reached without one)
   postgres://, postgresql://
-      one row per key in a table (created if missing by `withlock run`);
-      see --schema and --table
-Every backend has the same list, inspect and release commands.";
+      one row per key in a table, created once by `withlock migrate`
+      (`run` never creates it); see --schema and --table
+The URL may be read from a file (--url-file, WITHLOCK_URL_FILE), so that
+no password shows in `ps`. Every backend has the same list, inspect,
+status and release commands.";
 
 /// Run a command while holding a lock across every host that shares the
 /// lock backend, and administer those locks.
@@ -54,12 +68,17 @@ pub(crate) enum Command {
     /// Take the lock on KEY, run CMD while holding it (extended as long as
     /// CMD runs), release it when CMD exits.
     ///
-    /// CMD gets WITHLOCK_KEY and WITHLOCK_FENCING_TOKEN in its environment.
-    /// It runs in a process group of its own: SIGTERM, SIGINT and SIGHUP
-    /// sent to withlock are forwarded to that group, and if the lock is
-    /// lost while CMD runs, the group gets SIGTERM at once and SIGKILL
-    /// after --grace. (Being in a group of its own, CMD cannot read from
-    /// the terminal.) The lock is released once CMD has exited.
+    /// CMD gets WITHLOCK_KEY and WITHLOCK_FENCING_TOKEN in its environment
+    /// (and not WITHLOCK_URL). It runs in a process group of its own:
+    /// SIGTERM, SIGINT and SIGHUP sent to withlock are forwarded to that
+    /// group, which gets SIGKILL if CMD has not exited --grace later. If the
+    /// lock is lost while CMD runs, or CMD runs past --max-runtime, the
+    /// group gets SIGTERM at once and SIGKILL after --grace. When CMD
+    /// exits, whatever it left in its group gets SIGTERM, then SIGKILL
+    /// after --grace; only then is the lock released. On Linux, CMD's
+    /// group is terminated too when withlock itself dies (even of
+    /// SIGKILL). (Being in a group of its own, CMD cannot read from the
+    /// terminal.)
     #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
     Run(RunArgs),
     /// List the locks held now, with holder, remaining ttl and fencing
@@ -80,6 +99,36 @@ pub(crate) enum Command {
     /// meant for a holder known to be dead.
     #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
     Release(ReleaseArgs),
+    /// Whether KEY is held: exit 0 when it is, 1 when it is free.
+    ///
+    /// Prints the holder, fencing token and time left of a held key.
+    #[command(after_long_help = STORE_HELP)]
+    Status(StatusArgs),
+    /// Set the store up: on PostgreSQL, create the lock table if missing.
+    ///
+    /// The schema must exist, and the role must be allowed to create the
+    /// table; `run` then needs only SELECT, INSERT, UPDATE and DELETE on the
+    /// table and USAGE on its id sequence. Idempotent. Redis needs nothing.
+    #[command(after_long_help = STORE_HELP)]
+    Migrate(MigrateArgs),
+    /// Internal: the supervisor `run` starts CMD through.
+    #[command(name = "__supervise", hide = true)]
+    Supervise(SuperviseArgs),
+}
+
+impl Command {
+    /// The store arguments of a subcommand that has them.
+    pub(crate) fn store_mut(&mut self) -> Option<&mut StoreArgs> {
+        match self {
+            Self::Run(args) => Some(&mut args.store),
+            Self::List(args) => Some(&mut args.store),
+            Self::Inspect(args) => Some(&mut args.store),
+            Self::Release(args) => Some(&mut args.store),
+            Self::Status(args) => Some(&mut args.store),
+            Self::Migrate(args) => Some(&mut args.store),
+            Self::Supervise(_) => None,
+        }
+    }
 }
 
 /// The lock backend's URL and settings, common to every subcommand.
@@ -88,7 +137,19 @@ pub(crate) struct StoreArgs {
     /// The lock backend: redis://, rediss://, redis+cluster://,
     /// rediss+cluster://, redis+sentinel://, postgres:// or postgresql://
     /// (see below; never printed: it may hold a password).
-    #[arg(long, env = "WITHLOCK_URL", value_name = "URL", hide_env_values = true)]
+    #[arg(
+        long = "url",
+        env = "WITHLOCK_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    url_arg: Option<String>,
+    /// A file holding the URL (one line), so that no password shows in
+    /// the process list; instead of --url.
+    #[arg(long, env = "WITHLOCK_URL_FILE", value_name = "PATH")]
+    url_file: Option<PathBuf>,
+    /// The URL, from --url or --url-file (see [`resolve_url`](Self::resolve_url)).
+    #[arg(skip)]
     pub(crate) url: String,
     /// PostgreSQL only: the schema of the lock table (it must exist).
     #[arg(
@@ -117,6 +178,79 @@ pub(crate) struct StoreArgs {
     pub(crate) redis_prefix: String,
 }
 
+impl StoreArgs {
+    /// Sets [`url`](Self::url) from `--url` or the file `--url-file`
+    /// names; checks the PostgreSQL table and schema names. The messages
+    /// never show the URL.
+    pub(crate) fn resolve_url(&mut self) -> Result<(), Failure> {
+        self.url = match (self.url_arg.take(), &self.url_file) {
+            (Some(_), Some(_)) => {
+                return Err(Failure::usage(
+                    "both --url (or WITHLOCK_URL) and --url-file (or WITHLOCK_URL_FILE) are set: give one",
+                ))
+            }
+            (Some(url), None) => url,
+            (None, Some(path)) => read_url_file(path)?,
+            (None, None) => {
+                return Err(Failure::usage(
+                    "missing --url (or WITHLOCK_URL, --url-file, WITHLOCK_URL_FILE)",
+                ))
+            }
+        };
+        if self.url.trim().is_empty() {
+            return Err(Failure::usage("--url is empty"));
+        }
+        for (option, name) in [("--schema", &self.schema), ("--table", &self.table)] {
+            if !is_plain_identifier(name) {
+                return Err(Failure::usage(format!(
+                    "{option} {:?} is not a plain identifier (a letter or _, then letters, digits or _; at most 63 bytes)",
+                    name.escape_debug().to_string()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The URL in the file at `path`: its first line, without surrounding
+/// whitespace.
+fn read_url_file(path: &std::path::Path) -> Result<String, Failure> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Failure::usage(format!(
+            "--url-file {}: cannot read it: {e}",
+            path.display()
+        ))
+    })?;
+    let url = text.lines().map(str::trim).find(|l| !l.is_empty());
+    url.map(str::to_owned).ok_or_else(|| {
+        Failure::usage(format!(
+            "--url-file {}: the file holds no URL",
+            path.display()
+        ))
+    })
+}
+
+/// A name PostgreSQL takes unquoted: a letter or `_`, then letters,
+/// digits or `_`, at most 63 bytes (lower or upper case: it is quoted as
+/// given).
+fn is_plain_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    name.len() <= 63
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// How `run` records what it did on stderr.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LogFormat {
+    /// One line of text when the command starts and one when it ends.
+    Text,
+    /// The same as one JSON object per line.
+    Json,
+}
+
 /// `withlock run`.
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
@@ -140,15 +274,34 @@ pub(crate) struct RunArgs {
     /// Wait as long as it takes for a busy lock.
     #[arg(long, group = "waiting")]
     pub(crate) wait_forever: bool,
-    /// After a lost lock, how long CMD has between SIGTERM and SIGKILL.
+    /// How long CMD's process group has between SIGTERM (or a forwarded
+    /// signal) and SIGKILL: after a lost lock, past --max-runtime, after a
+    /// signal withlock forwards, and for what CMD leaves running when it
+    /// exits. If withlock itself dies, the group has the shorter of this
+    /// and a third of --ttl.
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
     pub(crate) grace: Duration,
+    /// Terminate CMD's group after it ran this long (SIGTERM, then SIGKILL
+    /// after --grace) and exit 124, as timeout(1).
+    #[arg(long, value_name = "DURATION", value_parser = positive_duration)]
+    pub(crate) max_runtime: Option<Duration>,
+    /// The exit code when the lock is busy (as flock -E): 0 makes a busy
+    /// lock a success.
+    #[arg(long, value_name = "N", default_value_t = crate::exit::BUSY)]
+    pub(crate) busy_exit: u8,
+    /// Write one line to stderr when CMD starts (key, host, node id,
+    /// fencing token, time waited) and one when it ends (time run, exit
+    /// code, why the lock ended), as text or JSON. Off by default.
+    #[arg(long, value_name = "FORMAT")]
+    pub(crate) log_format: Option<LogFormat>,
     /// This host's name in the lock, as `list` and `inspect` show it.
     /// Default: `<hostname>:<pid>`.
     #[arg(long, env = "WITHLOCK_NODE_ID", value_name = "ID")]
     pub(crate) node_id: Option<String>,
-    /// No status line while waiting (there is none when stderr is not a
-    /// terminal either).
+    /// Say nothing when the lock is busy: no status line while waiting
+    /// and no line when giving up (the exit code still says it: 75, or
+    /// --busy-exit). There is no status line when stderr is not a terminal
+    /// either.
     #[arg(long, short)]
     pub(crate) quiet: bool,
     /// The command and its arguments, after `--`.
@@ -195,16 +348,91 @@ pub(crate) struct ReleaseArgs {
     pub(crate) force: bool,
 }
 
+/// `withlock status`.
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+    /// The lock key.
+    #[arg(value_name = "KEY", value_parser = non_empty_key)]
+    pub(crate) key: String,
+    /// One JSON object instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `withlock migrate`.
+#[derive(Debug, Args)]
+pub(crate) struct MigrateArgs {
+    #[command(flatten)]
+    pub(crate) store: StoreArgs,
+}
+
+/// `withlock __supervise`: what `run` tells the supervisor.
+#[derive(Debug, Args)]
+pub(crate) struct SuperviseArgs {
+    /// The process id of the `withlock run` that started it.
+    #[arg(long)]
+    pub(crate) parent: i32,
+    /// If that process dies, how long the group has between SIGTERM and
+    /// SIGKILL.
+    #[arg(long, value_parser = duration)]
+    pub(crate) grace: Duration,
+    /// The name the command is run as (its `argv[0]`).
+    #[arg(long)]
+    pub(crate) arg0: OsString,
+    /// The resolved program, then its arguments.
+    #[arg(last = true, required = true)]
+    pub(crate) command: Vec<OsString>,
+}
+
 /// A human duration: `500ms`, `30s`, `5m`, `1h 30m`.
 fn duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text)
         .map_err(|e| format!("{e} (a duration such as 500ms, 30s or 5m)"))
 }
 
+/// A duration above zero.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match duration(text)? {
+        d if d.is_zero() => Err("the duration must be above zero".to_owned()),
+        d => Ok(d),
+    }
+}
+
+/// A key the command takes: not empty, no control characters (a newline
+/// or an escape in a key would garble every line that shows it). The
+/// library itself takes any key without NUL.
 fn non_empty_key(text: &str) -> Result<String, &'static str> {
     if text.is_empty() {
         Err("the lock key is empty")
+    } else if text.chars().any(char::is_control) {
+        Err("the lock key has a control character (newline, tab, escape…)")
     } else {
         Ok(text.to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_identifiers() {
+        for ok in ["locks", "_x", "Locks2", "withlock_test_1_ab"] {
+            assert!(is_plain_identifier(ok), "{ok}");
+        }
+        for bad in ["", "1a", "a-b", "a b", "a\"b", "ä", &"x".repeat(64)] {
+            assert!(!is_plain_identifier(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn keys_without_control_characters() {
+        assert!(non_empty_key("a b {c}").is_ok());
+        assert!(non_empty_key("a\nb").is_err());
+        assert!(non_empty_key("").is_err());
+        assert!(positive_duration("0s").is_err());
+        assert_eq!(positive_duration("2s"), Ok(Duration::from_secs(2)));
     }
 }

@@ -5,8 +5,12 @@ mod args;
 mod child;
 mod exit;
 mod format;
+mod group;
+mod record;
 mod run;
+mod setup;
 mod store;
+mod supervise;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -22,10 +26,21 @@ const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(200);
 
 fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
-    let cli = match Cli::try_parse_from(&argv) {
+    let mut cli = match Cli::try_parse_from(&argv) {
         Ok(cli) => cli,
         Err(error) => return ExitCode::from(argument_error(&error, &argv)),
     };
+    if let Some(store) = cli.command.store_mut() {
+        if let Err(failure) = store.resolve_url() {
+            eprintln!("withlock: {}", failure.message);
+            return ExitCode::from(failure.code);
+        }
+    }
+    let command = match cli.command {
+        Command::Supervise(args) => return supervise::main(args),
+        other => other,
+    };
+    library_events();
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -37,11 +52,18 @@ fn main() -> ExitCode {
         }
     };
     let outcome = runtime.block_on(async {
-        match cli.command {
+        match command {
             Command::Run(args) => run::run(args).await,
             Command::List(args) => admin::list(args).await,
             Command::Inspect(args) => admin::inspect(args).await,
             Command::Release(args) => admin::release(args).await,
+            Command::Status(args) => admin::status(args).await,
+            Command::Migrate(args) => admin::migrate(args).await,
+            // Handled above, without this runtime.
+            Command::Supervise(_) => Err(exit::Failure::new(
+                exit::SOFTWARE,
+                "the supervisor runs on its own",
+            )),
         }
     });
     runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
@@ -52,6 +74,20 @@ fn main() -> ExitCode {
             ExitCode::from(failure.code)
         }
     }
+}
+
+/// The library's own events (a lost lock's cause, a release that failed,
+/// retries) on stderr, as `RUST_LOG` selects them (`RUST_LOG=info`); none
+/// without it.
+fn library_events() {
+    let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() else {
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
 }
 
 /// Prints a clap error as one line (help and version as clap prints them)

@@ -6,15 +6,17 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use lock_core::{LockConfig, LockContext, LockError, LockerOptions, MAX_KEY_LEN};
-use nix::unistd::Pid;
-use tokio::sync::oneshot;
+use nix::sys::signal::Signal;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::args::RunArgs;
-use crate::child::{signal_group, Job, Outcome, Signals};
+use crate::child::{Job, Outcome, Signals, Stopped};
 use crate::exit::{self, Chain, Failure};
 use crate::format::{ttl_text, Shown};
+use crate::group::Swept;
+use crate::record::{self, Record};
 use crate::store::{Scheme, Store};
 
 /// How long the locker may take to hand back what it holds at exit.
@@ -24,7 +26,8 @@ const STATUS_EVERY: Duration = Duration::from_secs(1);
 
 /// Runs `withlock run` and gives the exit code.
 pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
-    // Everything that can be checked is, before anything is touched.
+    // Everything that can be checked is, before anything is touched: the
+    // arguments, and the command (found on PATH, or 127/126).
     Scheme::of(&args.store.url)?;
     if args.key.len() > MAX_KEY_LEN {
         return Err(Failure::usage(format!(
@@ -33,16 +36,13 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         )));
     }
     let config = lock_config(&args)?;
-    let mut command = args.command.into_iter();
-    let program = command
-        .next()
-        .ok_or_else(|| Failure::usage("no command after `--`"))?;
-    let job = Job {
-        program,
-        args: command.collect(),
-        grace: args.grace,
-    };
-    let node_id = args.node_id.unwrap_or_else(default_node_id);
+    // Should withlock die, the group is ended before the lock can expire:
+    // it was extended at most a third of the ttl before.
+    let orphan_grace = args.grace.min(args.ttl / 3);
+    let job = Job::find(args.command, args.grace, orphan_grace, args.max_runtime)?;
+    let host = hostname();
+    let node_id = args.node_id.unwrap_or_else(|| default_node_id(&host));
+    let record = Arc::new(Record::new(args.log_format, &args.key, host, &node_id));
 
     // Signals are ours from here on: forwarded, or the end of the wait.
     let mut signals = Signals::install()
@@ -51,39 +51,47 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let locker = store
         .locker(LockerOptions::default().node_id(node_id))
         .map_err(|e| Failure::usage(format!("--node-id: {}", Chain(&e))))?;
-    store.create_table().await.map_err(did_not_run)?;
 
     let shared = Arc::new(Shared::default());
+    let waited = Instant::now();
     let (done_tx, mut done_rx) = oneshot::channel();
     let callback = {
         let shared = Arc::clone(&shared);
+        let record = Arc::clone(&record);
         move |ctx: LockContext| {
             // Spawned before the first await, so that a signal handled by
-            // the caller always finds the phase up to date.
+            // the caller always finds the phase up to date; on the main
+            // thread (see `Job::spawn`).
             let spawned = {
                 let mut state = shared.lock();
                 state.clear_line();
                 let spawned = job.spawn(&ctx);
                 state.phase = match &spawned {
-                    Ok(running) => Phase::Running(running.group()),
+                    Ok(running) => Phase::Running(running.forwarder()),
                     Err(_) => Phase::Finished,
                 };
                 spawned
             };
+            if spawned.is_ok() {
+                record.started(ctx.fencing_token(), waited.elapsed());
+            }
             async move {
                 let outcome = match spawned {
-                    Ok(running) => running.supervise(&ctx, job.grace).await,
-                    Err(error) => Outcome::NotStarted(error),
+                    Ok(running) => Ok(running.supervise(&ctx, &job).await),
+                    Err(error) => Err(error),
                 };
                 shared.lock().phase = Phase::Finished;
-                let _ = done_tx.send(outcome);
+                let _ = done_tx.send(Done {
+                    token: ctx.fencing_token(),
+                    waited: waited.elapsed(),
+                    outcome,
+                });
             }
         }
     };
 
     let status = (!args.quiet && std::io::stderr().is_terminal())
         .then(|| status_line(store.clone(), args.key.clone(), Arc::clone(&shared)));
-    let waited = Instant::now();
     // `--wait`: the end of the wait, past which a call still waiting gives
     // up (one that runs the command goes on). None once it passed.
     let mut gives_up_at = args.wait.filter(|w| !w.is_zero()).map(|w| waited + w);
@@ -93,10 +101,12 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
             biased;
             result = &mut call => break Ended::Call(result),
             signal = signals.next() => {
-                let phase = shared.lock().phase;
+                let phase = shared.lock().phase.clone();
                 match phase {
                     Phase::Waiting => break Ended::Signal(signal),
-                    Phase::Running(group) => signal_group(group, signal),
+                    Phase::Running(forward) => {
+                        let _ = forward.send(signal);
+                    }
                     Phase::Finished => {}
                 }
             }
@@ -115,53 +125,127 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     }
     shared.lock().clear_line();
 
-    let code = match result {
-        Ended::WaitOver => Err(wait_over(&store, &args.key, waited).await),
-        Ended::Signal(signal) => {
-            eprintln!(
-                "withlock: got {signal} while waiting for {:?}; the command did not run",
+    let busy =
+        |holder: Option<&str>| End::busy(&args.key, holder, waited, args.busy_exit, args.quiet);
+    let end = match result {
+        Ended::WaitOver => match wait_over(&store, &args.key).await {
+            Ok(holder) => busy(holder.as_deref()),
+            Err(failure) => End::failed(failure, waited, "backend"),
+        },
+        Ended::Signal(signal) => End {
+            code: exit::signalled(signal as i32),
+            message: Some(format!(
+                "got {signal} while waiting for {:?}; the command did not run",
                 args.key
-            );
-            Ok(exit::signalled(signal as i32))
-        }
-        Ended::Call(Ok(())) => match done_rx.try_recv() {
-            Ok(outcome) => Ok(held_throughout(outcome)),
-            Err(_) => Err(Failure::new(
-                exit::SOFTWARE,
-                "the command's outcome was lost",
             )),
+            cause: Some(format!("{signal} while waiting")),
+            ..End::new(waited)
+        },
+        Ended::Call(Ok(())) => match done_rx.try_recv() {
+            Ok(done) => held_throughout(done),
+            Err(_) => End::failed(
+                Failure::new(exit::SOFTWARE, "the command's outcome was lost"),
+                waited,
+                "software",
+            ),
         },
         Ended::Call(Err(LockError::Lost { key, cause })) => {
             // The callback goes on in the background, terminating the
             // command; signals still reach the command meanwhile.
-            let outcome = loop {
+            let done = loop {
                 tokio::select! {
                     biased;
-                    outcome = &mut done_rx => break outcome.ok(),
+                    done = &mut done_rx => break done.ok(),
                     signal = signals.next() => {
-                        if let Phase::Running(group) = shared.lock().phase {
-                            signal_group(group, signal);
+                        if let Phase::Running(forward) = shared.lock().phase.clone() {
+                            let _ = forward.send(signal);
                         }
                     }
                 }
             };
-            let command = match outcome {
-                Some(Outcome::Terminated(status)) => {
-                    format!("the command was terminated ({status})")
-                }
-                Some(Outcome::Exited(status)) => format!("the command had exited ({status})"),
-                _ => "the command was killed".to_owned(),
-            };
-            eprintln!(
-                "withlock: lost the lock on {key:?} while the command ran ({}); {command}",
-                Chain(&cause)
-            );
-            Ok(exit::LOST)
+            lost(&key, &cause, done, waited)
         }
-        Ended::Call(Err(error)) => Err(not_run(&store, &args.key, &error, waited).await),
+        Ended::Call(Err(LockError::NotAcquired { source: None, .. })) => {
+            busy(holder(&store, &args.key).await.as_deref())
+        }
+        Ended::Call(Err(error)) => {
+            End::failed(not_run(&store, &args.key, &error), waited, "backend")
+        }
     };
     locker.shutdown(SHUTDOWN_GRACE).await;
-    code
+    record.ended(&record::Ended {
+        token: end.token,
+        waited: end.waited,
+        ran: end.ran,
+        exit: end.code,
+        cause: end.cause.as_deref(),
+    });
+    if let Some(message) = &end.message {
+        eprintln!("withlock: {message}");
+    }
+    Ok(end.code)
+}
+
+/// What the callback hands back.
+#[derive(Debug)]
+struct Done {
+    token: u64,
+    /// From the start to the lock being taken.
+    waited: Duration,
+    outcome: std::io::Result<Outcome>,
+}
+
+/// How a run that tried the lock ends: its exit code, the line for stderr,
+/// and what the record says.
+#[derive(Debug)]
+struct End {
+    code: u8,
+    message: Option<String>,
+    cause: Option<String>,
+    token: Option<u64>,
+    waited: Duration,
+    ran: Option<Duration>,
+}
+
+impl End {
+    fn new(waited: Instant) -> Self {
+        Self {
+            code: 0,
+            message: None,
+            cause: None,
+            token: None,
+            waited: waited.elapsed(),
+            ran: None,
+        }
+    }
+
+    fn failed(failure: Failure, waited: Instant, cause: &str) -> Self {
+        Self {
+            code: failure.code,
+            message: Some(failure.message),
+            cause: Some(cause.to_owned()),
+            ..Self::new(waited)
+        }
+    }
+
+    /// The key was found held until the caller gave up after `waited`:
+    /// `busy_exit`, said on stderr unless `quiet`.
+    fn busy(key: &str, holder: Option<&str>, waited: Instant, busy_exit: u8, quiet: bool) -> Self {
+        let holder = holder
+            .map(|node| format!(" (held by {})", Shown(node)))
+            .unwrap_or_default();
+        Self {
+            code: busy_exit,
+            message: (!quiet).then(|| {
+                format!(
+                    "{key:?} is busy{holder}; gave up after {}; the command did not run",
+                    ttl_text(waited.elapsed())
+                )
+            }),
+            cause: Some("busy".to_owned()),
+            ..Self::new(waited)
+        }
+    }
 }
 
 /// How the wait for the lock ended.
@@ -174,41 +258,40 @@ enum Ended {
     WaitOver,
 }
 
-/// Why the command never ran when `--wait` ran out: the key is busy, or
-/// the store cannot say who holds it.
-async fn wait_over(store: &Store, key: &str, waited: Instant) -> Failure {
+/// Who holds the key, once `--wait` ran out: Ok with the holder (None if
+/// the store names none), or a failure if the store cannot say.
+async fn wait_over(store: &Store, key: &str) -> Result<Option<String>, Failure> {
     match tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await {
-        Ok(Ok(view)) => busy(key, view.node_id(), waited),
-        Ok(Err(error)) => Failure::new(
-            exit::UNAVAILABLE,
-            format!(
-                "could not take the lock on {key:?}: {} failed: {}; the command did not run",
-                store.name(),
-                Chain(&error)
-            ),
-        ),
-        Err(_) => Failure::new(
+        Ok(Ok(view)) => Ok(view.node_id().map(str::to_owned)),
+        // A lock user that may not read the key as an operator does (on
+        // Redis, PTTL and TYPE): busy, holder unknown.
+        Ok(Err(error)) if crate::setup::refusal(&error).is_some() => Ok(None),
+        Ok(Err(error)) => {
+            let failure = Failure::backend(store.name(), &error);
+            Err(Failure::new(
+                failure.code,
+                format!(
+                    "could not take the lock on {key:?}: {}; the command did not run",
+                    failure.message
+                ),
+            ))
+        }
+        Err(_) => Err(Failure::new(
             exit::UNAVAILABLE,
             format!(
                 "could not take the lock on {key:?}: {} did not answer; the command did not run",
                 store.name()
             ),
-        ),
+        )),
     }
 }
 
-/// The key was found held until the caller gave up after `waited`.
-fn busy(key: &str, holder: Option<&str>, waited: Instant) -> Failure {
-    let holder = holder
-        .map(|node| format!(" (held by {node})"))
-        .unwrap_or_default();
-    Failure::new(
-        exit::BUSY,
-        format!(
-            "{key:?} is busy{holder}; gave up after {}; the command did not run",
-            ttl_text(waited.elapsed())
-        ),
-    )
+/// The holder of a busy key, if the store says so within a second.
+async fn holder(store: &Store, key: &str) -> Option<String> {
+    match tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await {
+        Ok(Ok(view)) => view.node_id().map(str::to_owned),
+        _ => None,
+    }
 }
 
 /// A failure before the command could start, saying so.
@@ -222,55 +305,144 @@ fn did_not_run(failure: Failure) -> Failure {
     )
 }
 
-/// The exit code of a command that ran while the lock was held.
-fn held_throughout(outcome: Outcome) -> u8 {
-    use std::os::unix::process::ExitStatusExt;
-    match outcome {
-        // `with_lock` gave Ok, so the lock held; a Terminated outcome
-        // cannot come with Ok, and counts as lost if it ever did.
-        Outcome::Terminated(_) => exit::LOST,
-        Outcome::Exited(status) => match (status.code(), status.signal()) {
-            (Some(code), _) => u8::try_from(code & 0xff).unwrap_or(u8::MAX),
-            (None, Some(signal)) => exit::signalled(signal),
-            (None, None) => exit::SOFTWARE,
-        },
-        Outcome::NotStarted(error) => {
-            eprintln!("withlock: cannot run the command: {error}");
-            match error.kind() {
-                std::io::ErrorKind::NotFound => exit::NOT_FOUND,
-                _ => exit::CANNOT_EXECUTE,
+/// The end of a run whose lock held until the callback settled.
+fn held_throughout(done: Done) -> End {
+    let Done {
+        token,
+        waited,
+        outcome,
+    } = done;
+    let base = End {
+        token: Some(token),
+        waited,
+        ..End::new(Instant::now())
+    };
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            return End {
+                code: exit::SOFTWARE,
+                message: Some(format!("cannot start the command's supervisor: {error}")),
+                cause: Some("software".to_owned()),
+                ..base
             }
         }
-        Outcome::Unknown(error) => {
-            eprintln!("withlock: lost track of the command: {error}");
-            exit::SOFTWARE
+    };
+    let swept = match outcome.swept {
+        Swept::Empty => None,
+        Swept::Terminated => Some("what the command left running was terminated"),
+        Swept::Killed => Some("what the command left running was killed"),
+    };
+    let ran = Some(outcome.ran);
+    let status = match outcome.status {
+        Ok(status) => status,
+        Err(error) => {
+            return End {
+                code: exit::SOFTWARE,
+                message: Some(format!("lost track of the command: {error}")),
+                cause: Some("software".to_owned()),
+                ran,
+                ..base
+            }
         }
+    };
+    match outcome.stopped {
+        None => End {
+            code: status.exit_code(),
+            cause: swept.map(str::to_owned),
+            ran,
+            ..base
+        },
+        Some(Stopped::TimedOut(limit)) => End {
+            code: exit::TIMED_OUT,
+            message: Some(format!(
+                "the command ran past --max-runtime {}; it was terminated ({status})",
+                humantime::format_duration(limit)
+            )),
+            cause: Some("max-runtime".to_owned()),
+            ran,
+            ..base
+        },
+        // `with_lock` gave Ok, so the lock held; a lost lock cannot come
+        // with Ok, and counts as lost if it ever did.
+        Some(Stopped::Lost(cause)) => End {
+            code: exit::LOST,
+            message: Some(format!(
+                "lost the lock while the command ran ({}); the command was terminated ({status})",
+                Chain(&cause)
+            )),
+            cause: Some(format!("lost: {cause}")),
+            ran,
+            ..base
+        },
     }
 }
 
-/// Why the command never ran, as a failure with its exit code.
-async fn not_run(store: &Store, key: &str, error: &LockError, waited: Instant) -> Failure {
-    match error {
-        LockError::NotAcquired { source: None, .. } => {
-            let view = tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await;
-            let holder = match &view {
-                Ok(Ok(view)) => view.node_id(),
-                _ => None,
+/// The end of a run whose lock was lost while the command ran; `done` is
+/// what the callback handed back once the command was stopped.
+fn lost(key: &str, cause: &lock_core::LossCause, done: Option<Done>, waited: Instant) -> End {
+    let (token, waited, command, ran) = match done {
+        Some(Done {
+            token,
+            waited,
+            outcome: Ok(outcome),
+        }) => {
+            let command = match (&outcome.stopped, &outcome.status) {
+                (Some(_), Ok(status)) => format!("the command was terminated ({status})"),
+                (None, Ok(status)) => format!("the command had exited ({status})"),
+                (_, Err(error)) => format!("the command was killed (lost track of it: {error})"),
             };
-            busy(key, holder, waited)
+            (Some(token), waited, command, Some(outcome.ran))
         }
+        Some(Done { token, waited, .. }) => (
+            Some(token),
+            waited,
+            "the command did not start".to_owned(),
+            None,
+        ),
+        None => (
+            None,
+            waited.elapsed(),
+            "the command was killed".to_owned(),
+            None,
+        ),
+    };
+    End {
+        code: exit::LOST,
+        message: Some(format!(
+            "lost the lock on {key:?} while the command ran ({}); {command}",
+            Chain(cause)
+        )),
+        cause: Some(format!("lost: {cause}")),
+        token,
+        waited,
+        ran,
+    }
+}
+
+/// Why the command never ran, as a failure with its exit code: 69 for
+/// an outage, 77 or 78 for a refusal trying again cannot mend.
+fn not_run(store: &Store, key: &str, error: &LockError) -> Failure {
+    match error {
         LockError::NotAcquired {
             attempts,
             source: Some(source),
             ..
-        } => Failure::new(
-            exit::UNAVAILABLE,
-            format!(
-                "could not take the lock on {key:?}: {} failed ({attempts} attempt(s)): {}; the command did not run",
-                store.name(),
-                Chain(source)
-            ),
-        ),
+        } => {
+            let failure = Failure::backend(store.name(), source);
+            let tries = if source.is_permanent() {
+                String::new()
+            } else {
+                format!(" ({attempts} attempt(s))")
+            };
+            Failure::new(
+                failure.code,
+                format!(
+                    "could not take the lock on {key:?}{tries}: {}; the command did not run",
+                    failure.message
+                ),
+            )
+        }
         LockError::InvalidInput(invalid) => Failure::usage(invalid.to_string()),
         other => Failure::new(exit::SOFTWARE, Chain(other).to_string()),
     }
@@ -298,17 +470,21 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
     Ok(config)
 }
 
-/// `<hostname>:<pid>`, so that `withlock list` tells which host holds a key.
-fn default_node_id() -> String {
-    let host = nix::unistd::gethostname()
+/// This host's name, for the node id and the record.
+fn hostname() -> String {
+    nix::unistd::gethostname()
         .ok()
         .and_then(|h| h.into_string().ok())
         .filter(|h| !h.is_empty() && !h.chars().any(char::is_control))
-        .unwrap_or_else(|| "withlock".to_owned());
+        .unwrap_or_else(|| "withlock".to_owned())
+}
+
+/// `<hostname>:<pid>`, so that `withlock list` tells which host holds a key.
+fn default_node_id(host: &str) -> String {
     format!("{host}:{}", std::process::id())
 }
 
-/// Where the command is, shared by the caller (which forwards signals) and
+/// Where the command is, shared by the caller (which hands signals on) and
 /// the callback (which runs the command).
 #[derive(Debug, Default)]
 struct Shared {
@@ -322,15 +498,22 @@ struct State {
     line_shown: bool,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 enum Phase {
     /// Waiting for the lock: a signal ends the wait.
     #[default]
     Waiting,
-    /// The command runs in this process group: signals go there.
-    Running(Pid),
+    /// The command runs: signals go to its supervisor's watch, which
+    /// forwards them to its group.
+    Running(mpsc::UnboundedSender<Signal>),
     /// The command has exited or never started.
     Finished,
+}
+
+impl PartialEq for Phase {
+    fn eq(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
 }
 
 impl Shared {
@@ -432,7 +615,7 @@ mod tests {
 
     #[test]
     fn the_default_node_id_names_the_host_and_process() {
-        let id = default_node_id();
+        let id = default_node_id(&hostname());
         assert!(id.ends_with(&format!(":{}", std::process::id())));
         assert!(LockerOptions::default().node_id(id).node_id.is_some());
     }

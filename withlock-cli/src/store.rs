@@ -7,10 +7,11 @@ use std::sync::Arc;
 use lock_core::{DynLockBackend, LockAdmin, LockError, Locker, LockerOptions};
 use lock_postgres::sqlx::postgres::PgConnectOptions;
 use lock_postgres::{PostgresBackend, PostgresConfig};
-use lock_redis::{RedisBackend, RedisClusterBackend, RedisConfig, RedisSentinelBackend};
+use lock_redis::{RedisClusterBackend, RedisConfig, RedisSentinelBackend};
 
 use crate::args::StoreArgs;
-use crate::exit::{Chain, Failure, UNAVAILABLE};
+use crate::exit::{Chain, Failure};
+use crate::setup;
 
 /// The schemes `--url` may have, for messages.
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
@@ -105,7 +106,7 @@ pub(crate) struct Store {
     name: &'static str,
     backend: Arc<DynLockBackend>,
     admin: Arc<dyn LockAdmin>,
-    /// The backend whose table `withlock run` creates if it is missing.
+    /// The backend whose table `withlock migrate` creates.
     postgres: Option<PostgresBackend>,
 }
 
@@ -123,15 +124,17 @@ impl Store {
     /// Makes the backend `args` names, changing nothing in the store.
     ///
     /// A malformed URL or table name is a usage failure; a server that
-    /// cannot be reached is "unavailable". Redis connects at the first
-    /// call; PostgreSQL connects here.
+    /// cannot be reached is "unavailable" (69), one that refuses the login
+    /// 77, a missing database or a Redis database index out of range 78.
+    /// A single Redis server is asked for a `PING` here, and reached again
+    /// at the first call if it did not answer; PostgreSQL connects here.
     pub(crate) async fn open(args: &StoreArgs) -> Result<Self, Failure> {
         let redis_config = || RedisConfig::default().prefix(args.redis_prefix.clone());
         let bad_url = |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", Chain(&e)));
         match Scheme::of(&args.url)? {
-            Scheme::Redis => RedisBackend::from_url_with(&args.url, redis_config())
-                .map(|b| Self::new("Redis", b))
-                .map_err(bad_url),
+            Scheme::Redis => setup::redis_server(&args.url, redis_config())
+                .await
+                .map(|b| Self::new("Redis", b)),
             Scheme::RedisCluster { tls } => {
                 let (nodes, path) = split_hosts(&args.url, if tls { "rediss" } else { "redis" })?;
                 if !path.is_empty() {
@@ -155,7 +158,7 @@ impl Store {
                     .map_err(bad_url)
             }
             Scheme::Postgres => {
-                args.url.parse::<PgConnectOptions>().map_err(|e| {
+                let options = args.url.parse::<PgConnectOptions>().map_err(|e| {
                     Failure::usage(format!(
                         "--url is not a valid PostgreSQL URL: {}",
                         Chain(&e)
@@ -167,9 +170,10 @@ impl Store {
                 config
                     .validate()
                     .map_err(|e| Failure::usage(Chain(&e).to_string()))?;
+                setup::postgres_server(&options, &config).await?;
                 let backend = PostgresBackend::connect_with(&args.url, config)
                     .await
-                    .map_err(|e| Failure::new(UNAVAILABLE, Chain(&e).to_string()))?;
+                    .map_err(|e| setup::failure("PostgreSQL", &e))?;
                 Ok(Self {
                     postgres: Some(backend.clone()),
                     ..Self::new("PostgreSQL", backend)
@@ -179,14 +183,16 @@ impl Store {
     }
 
     /// Creates the PostgreSQL lock table if it is missing (`migrate`,
-    /// idempotent); nothing to do for Redis.
-    pub(crate) async fn create_table(&self) -> Result<(), Failure> {
+    /// idempotent) and gives its name; None for a store that needs no
+    /// setup. Only `withlock migrate` calls it: `run` runs no DDL \[D3\].
+    pub(crate) async fn migrate(&self) -> Result<Option<String>, Failure> {
         match &self.postgres {
-            None => Ok(()),
+            None => Ok(None),
             Some(backend) => backend
                 .migrate()
                 .await
-                .map_err(|e| Failure::unavailable("PostgreSQL", &e)),
+                .map(|()| Some(backend.qualified_table().to_owned()))
+                .map_err(|e| setup::failure("PostgreSQL", &e)),
         }
     }
 

@@ -78,7 +78,13 @@ async fn a_waiter_runs_once_the_lock_is_free(store: Store) {
         ])
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Started (its signal handlers are set before it tries the lock); the
+    // lock is held, so it cannot have run, however far it got.
+    common::catches(
+        child.id().unwrap(),
+        nix::sys::signal::Signal::SIGTERM as i32,
+    )
+    .await;
     assert!(!scratch.path("ran").exists(), "ran while the lock was held");
     held.release().await.unwrap();
     let output = common::wait(child).await;

@@ -78,23 +78,73 @@ async fn environment_carries_the_lock(store: Store) {
     assert_eq!(store.stored(&key).await.owner, None, "released at exit");
 }
 
-async fn a_missing_command_is_127_and_frees_the_key(store: Store) {
+/// A command that is not found exits 127 naming it, and one that cannot
+/// be executed 126, both found out before the lock is taken: with the key
+/// held elsewhere they still give 127 and 126 (not 75), and no fencing
+/// token is drawn.
+async fn a_missing_command_is_named_before_the_lock_is_taken(store: Store) {
     let key = store.key("missing");
-    let output =
-        finish(
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let before = store.stored(&key).await;
+    let scratch = Scratch::new();
+    let not_executable = scratch.path("not-executable");
+    std::fs::write(&not_executable, "#!/bin/sh\ntrue\n").unwrap();
+    let not_executable = not_executable.display().to_string();
+    for (command, expected, names) in [
+        (
+            "/nonexistent/withlock-test-command",
+            127,
+            "/nonexistent/withlock-test-command",
+        ),
+        (
+            "withlock-test-no-such-command",
+            127,
+            "withlock-test-no-such-command",
+        ),
+        (not_executable.as_str(), 126, not_executable.as_str()),
+    ] {
+        let output = finish(
             store
                 .cmd("run")
-                .args(["--key", &key, "--", "/nonexistent/withlock-test-command"]),
+                .args(["--no-wait", "--key", &key, "--", command]),
         )
         .await;
-    assert_eq!(code(&output), 127, "{}", stderr(&output));
-    assert!(stderr(&output).contains("cannot run the command"));
-    assert_eq!(store.stored(&key).await.owner, None);
+        let message = stderr(&output);
+        assert_eq!(code(&output), expected, "{command}: {message}");
+        assert!(message.contains(names), "{command}: {message}");
+        assert!(message.contains("did not run"), "{message}");
+        assert_eq!(message.lines().count(), 1, "{message}");
+    }
+    assert_eq!(store.stored(&key).await, before, "the store was touched");
+    assert!(held.renew().await.unwrap(), "the holder kept its lock");
+    held.release().await.unwrap();
+}
+
+/// The command's environment has the lock's key and token but not
+/// `WITHLOCK_URL`, which may hold a password.
+async fn the_url_is_not_passed_to_the_command(store: Store) {
+    let key = store.key("no-url");
+    let scratch = Scratch::new();
+    let url = store.args()[1].clone();
+    let script = format!(
+        "printf '%s|%s' \"${{WITHLOCK_URL-unset}}\" \"$WITHLOCK_KEY\" > {env}",
+        env = scratch.sh("env")
+    );
+    let mut command = common::withlock(["run"]);
+    command.args(&store.args()[2..]);
+    command
+        .env("WITHLOCK_URL", &url)
+        .args(["--key", &key, "--", "sh", "-c", &script]);
+    let output = finish(&mut command).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let env = std::fs::read_to_string(scratch.path("env")).unwrap();
+    assert_eq!(env, format!("unset|{key}"));
 }
 
 on_every_backend!(
     exit_code_passes_through,
     death_by_signal_is_128_plus_the_signal,
     environment_carries_the_lock,
-    a_missing_command_is_127_and_frees_the_key,
+    a_missing_command_is_named_before_the_lock_is_taken,
+    the_url_is_not_passed_to_the_command,
 );

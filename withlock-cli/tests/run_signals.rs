@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{alive, appears, code, stderr, Scratch, Store};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -71,9 +69,9 @@ async fn a_signal_while_waiting_ends_the_wait(store: Store) {
         .args(["--wait-forever", "--key", &key, "--", "touch", &ran])
         .spawn()
         .unwrap();
-    // Long enough to be waiting; a signal before its handlers are set
-    // would kill it (and fail the code check below).
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Once its handler is installed (a signal before would kill it, and
+    // fail the code check below): from then on it waits for the lock.
+    common::catches(child.id().unwrap(), Signal::SIGTERM as i32).await;
     send(&child, Signal::SIGTERM);
     let output = common::wait(child).await;
     assert_eq!(code(&output), 128 + 15, "{}", stderr(&output));

@@ -48,3 +48,24 @@ async fn admin_commands_are_69_too() {
         assert_eq!(code(&output), 69, "{sub:?}: {}", stderr(&output));
     }
 }
+
+/// A refused PostgreSQL connection says so, with the address, rather than
+/// that a pool timed out.
+#[tokio::test]
+async fn a_refused_postgres_connection_names_the_address() {
+    let output = finish(&mut withlock([
+        "run",
+        "--url",
+        "postgres://postgres:hunter2@127.0.0.1:1/test",
+        "--key",
+        "k",
+        "--",
+        "true",
+    ]))
+    .await;
+    let message = stderr(&output);
+    assert_eq!(code(&output), 69, "{message}");
+    assert!(message.contains("connection refused"), "{message}");
+    assert!(message.contains("127.0.0.1:1"), "{message}");
+    assert!(!message.contains("timed out"), "{message}");
+}

@@ -58,7 +58,7 @@ async fn an_unknown_scheme_is_named_without_the_url() {
 
 #[tokio::test]
 async fn a_malformed_duration_is_named() {
-    for option in ["--ttl", "--wait", "--grace"] {
+    for option in ["--ttl", "--wait", "--grace", "--max-runtime"] {
         refused(
             &[
                 "run", "--url", URL, "--key", "k", option, "5x", "--", "true",
@@ -120,6 +120,53 @@ async fn conflicting_waits_and_a_missing_url_are_refused() {
 }
 
 #[tokio::test]
+async fn bad_new_options_are_refused() {
+    let run = |extra: &'static [&'static str]| {
+        let mut args = vec!["run", "--url", URL, "--key", "k"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "true"]);
+        args
+    };
+    refused(&run(&["--busy-exit", "256"]), "--busy-exit").await;
+    refused(&run(&["--busy-exit", "x"]), "--busy-exit").await;
+    refused(&run(&["--max-runtime", "0s"]), "--max-runtime").await;
+    refused(&run(&["--log-format", "xml"]), "--log-format").await;
+    refused(&run(&["--table", "a-b"]), "--table").await;
+    refused(&run(&["--schema", "x\"y"]), "--schema").await;
+}
+
+#[tokio::test]
+async fn keys_with_control_characters_are_refused() {
+    refused(
+        &["run", "--url", URL, "--key", "a\nb", "--", "true"],
+        "control",
+    )
+    .await;
+    refused(&["status", "--url", URL, "a\u{1b}[2Jb"], "control").await;
+    refused(&["inspect", "--url", URL, "tab\there"], "control").await;
+    refused(&["status", "--url", URL, ""], "empty").await;
+}
+
+#[tokio::test]
+async fn url_files_are_checked() {
+    let scratch = Scratch::new();
+    let missing = scratch.path("missing").display().to_string();
+    refused(&["list", "--url-file", &missing], "missing").await;
+    let empty = scratch.path("empty");
+    std::fs::write(&empty, "\n\n").unwrap();
+    let empty = empty.display().to_string();
+    refused(&["list", "--url-file", &empty], "holds no URL").await;
+    let file = scratch.path("url");
+    std::fs::write(&file, format!("{URL}\n")).unwrap();
+    let file = file.display().to_string();
+    refused(&["list", "--url", URL, "--url-file", &file], "give one").await;
+    // A file with a URL of an unknown scheme: named, not shown.
+    std::fs::write(scratch.path("mysql"), "mysql://root:hunter2@db/app\n").unwrap();
+    let mysql = scratch.path("mysql").display().to_string();
+    refused(&["list", "--url-file", &mysql], "\"mysql\"").await;
+}
+
+#[tokio::test]
 async fn release_without_force_refuses() {
     refused(&["release", "--url", URL, "k"], "--force").await;
 }
@@ -133,8 +180,16 @@ async fn help_documents_the_exit_codes() {
         "64",
         "69",
         "75",
+        "77",
+        "78",
         "79",
+        "124",
         "128",
+        "withlock migrate",
+        "--busy-exit",
+        "--max-runtime",
+        "--url-file",
+        "--log-format",
         "WITHLOCK_FENCING_TOKEN",
         "--table",
         "--schema",

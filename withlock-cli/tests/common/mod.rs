@@ -321,3 +321,155 @@ pub fn alive(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// Waits (within ten seconds) until the process `pid` catches `signal`:
+/// its handler is installed, as `/proc/PID/status` (`SigCgt`) shows. The
+/// handshake for a signal sent to a withlock that does not run a command
+/// yet.
+pub async fn catches(pid: u32, signal: i32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let bit = 1u64 << (signal - 1);
+    loop {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let caught = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigCgt:"))
+            .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+            .unwrap_or(0);
+        if caught & bit != 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} never caught signal {signal}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until none of `pids` is alive, within `bound`; gives how long it
+/// took.
+pub async fn all_gone(pids: &[i32], bound: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let alive: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if alive.is_empty() {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < bound,
+            "{alive:?} still alive after {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A number read from a file the command wrote, once it is there.
+pub async fn number(path: &Path) -> i32 {
+    appears(path).await.trim().parse().unwrap()
+}
+
+/// Runs SQL on the shared PostgreSQL server as its superuser.
+pub async fn sql(statements: &str) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&lock_postgres::testing::database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(statements).execute(&pool).await.unwrap();
+    pool.close().await;
+}
+
+/// A PostgreSQL role of its own for one test, with LOGIN, dropped (with
+/// every privilege granted to it) on drop.
+pub struct Role {
+    pub name: String,
+}
+
+impl Role {
+    pub async fn create(options: &str) -> Self {
+        let name = format!("withlock_test_role_{:016x}", rand::random::<u64>());
+        sql(&format!("CREATE ROLE \"{name}\" {options}")).await;
+        Self { name }
+    }
+
+    /// The test server's URL with this role as the user.
+    pub fn url(&self) -> String {
+        let url = lock_postgres::testing::database_url();
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{}@{host}", self.name)
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(sql(&format!(
+                "DROP OWNED BY \"{name}\"; DROP ROLE IF EXISTS \"{name}\""
+            )));
+        })
+        .join();
+    }
+}
+
+/// A Redis ACL user of its own on the shared server, deleted on drop.
+pub struct AclUser {
+    pub name: String,
+    pub password: String,
+    client: redis::Client,
+    server: String,
+}
+
+impl AclUser {
+    /// `ACL SETUSER` with `rules` after `on >password`.
+    pub async fn create(rules: &str) -> Self {
+        let url = lock_redis::testing::server_url().await;
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let name = format!("withlock-test-{:016x}", rand::random::<u64>());
+        let password = format!("{:032x}", rand::random::<u128>());
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER")
+            .arg(&name)
+            .arg("on")
+            .arg(format!(">{password}"));
+        for rule in rules.split_whitespace() {
+            cmd.arg(rule);
+        }
+        let () = cmd.query_async(&mut conn).await.unwrap();
+        let server = url
+            .split_once("://")
+            .map(|(_, rest)| rest.rsplit_once('@').map_or(rest, |(_, h)| h))
+            .and_then(|host| host.split('/').next())
+            .unwrap()
+            .to_owned();
+        Self {
+            name,
+            password,
+            client,
+            server,
+        }
+    }
+
+    /// The server's URL as this user, with `password`.
+    pub fn url_with(&self, password: &str) -> String {
+        format!("redis://{}:{password}@{}", self.name, self.server)
+    }
+}
+
+impl Drop for AclUser {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = self.client.get_connection() {
+            let _: redis::RedisResult<i64> = redis::cmd("ACL")
+                .arg("DELUSER")
+                .arg(&self.name)
+                .query(&mut conn);
+        }
+    }
+}
