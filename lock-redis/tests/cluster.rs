@@ -287,7 +287,12 @@ async fn h4_companions_expire_after_the_idle_period_never_while_held() {
         else {
             panic!("{key} is free");
         };
-        masters.insert(cluster.master_of_key(&backend.lock_key(&key)).unwrap().port());
+        masters.insert(
+            cluster
+                .master_of_key(&backend.lock_key(&key))
+                .unwrap()
+                .port(),
+        );
         leases.push(Lease::new(key, owner.clone(), fencing_token));
     }
     assert_eq!(masters.len(), 3, "keys on every master: {masters:?}");
@@ -358,7 +363,11 @@ async fn h4_companions_expire_after_the_idle_period_never_while_held() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert_eq!(stored, leases[0].fencing_token(), "put back by the extension");
+    assert_eq!(
+        stored,
+        leases[0].fencing_token(),
+        "put back by the extension"
+    );
     for lease in &leases {
         backend.release(lease).await.unwrap();
         let (lock, _, pttl, ..) = expiries(lease.key().to_owned()).await;

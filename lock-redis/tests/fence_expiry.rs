@@ -180,8 +180,8 @@ async fn h4_batched_steps_give_each_companion_its_ttl() {
 async fn h4_a_companion_deleted_by_hand_comes_back_and_tokens_go_on_increasing() {
     let url = server_url().await;
     let ns = Namespace::new(&url);
-    let backend = RedisBackend::from_url_with(&url, RedisConfig::default().prefix(ns.prefix()))
-        .unwrap();
+    let backend =
+        RedisBackend::from_url_with(&url, RedisConfig::default().prefix(ns.prefix())).unwrap();
     let key = "deleted companion";
     let lock_key = backend.lock_key(key).into_owned();
     let fence = backend.fence_key(key);
