@@ -157,14 +157,17 @@ impl Clients {
                     .key(&fence)
                     .arg(value)
                     .arg(30_000)
+                    .arg(30_000 + 7 * 24 * 3600 * 1000_u64)
                     .invoke_async(&mut conn)
                     .await?;
                 assert!(token > 0, "fenced baseline: key busy");
                 let _: i64 = self
                     .release_fenced
                     .key(key)
+                    .key(&fence)
                     .arg(value)
                     .arg(&self.channel)
+                    .arg(7 * 24 * 3600 * 1000_u64)
                     .invoke_async(&mut conn)
                     .await?;
             }

@@ -7,9 +7,11 @@
 -- instructions (4% of a lock cycle's), which a batch pays once.
 --
 -- KEYS[1]  the lock key
--- KEYS[2]  its fencing companion key (same hash slot; never expires)
+-- KEYS[2]  its fencing companion key (same hash slot)
 -- ARGV[1]  the owner token, `<node id>/<32 hex>`
 -- ARGV[2]  the ttl in milliseconds
+-- ARGV[3]  the companion's ttl in milliseconds: ARGV[2] plus the idle
+--          period (RedisConfig::fence_idle)
 --
 -- The token is max(companion + 1, server clock in microseconds since the
 -- Unix epoch), and is stored back in the companion. The counter term makes
@@ -19,6 +21,17 @@
 -- replica that missed the write): the next token is the clock, above every
 -- earlier token as long as the clock did not step back by more than the
 -- counter's lead over it.
+--
+-- The companion expires after the idle period, never while its lock is
+-- held: an acquisition (here) and every extension set its expiry to the
+-- lock's ttl plus the idle period, a release to the idle period. An
+-- expired companion is a lost one, and a lost companion cannot make
+-- tokens go back: the next token is at least the server clock in
+-- microseconds, which is past every earlier token (each was the clock at
+-- its drawing, or the counter, ahead of the clock only by as much as the
+-- clock stepped back). An idle companion expires only after the idle
+-- period, during which the clock moved on by that much again, so tokens
+-- could go back only after the clock stepped back by more than it.
 --
 -- TIME before a write needs effects replication (replicas and the AOF get
 -- the written values, never a re-run of the script): the only mode from
@@ -30,11 +43,13 @@
 -- changed nothing, when the companion holds anything but a decimal integer
 -- from 1 to 2^53 - 2 (with no sign, point or leading zero).
 --
--- The common path runs three commands and converts no number: the clock's
+-- The common path runs four commands and converts no number: the clock's
 -- digits are joined as strings (TIME answers strings; Lua's tonumber and
 -- number formatting are the costly parts of a script this small), the
--- companion is swapped with SET ... GET, and the two tokens, digit strings
--- without leading zeros, are compared by length, then by their digits.
+-- companion is swapped with SET ... KEEPTTL GET (so that one holding no
+-- counter is put back as it was, ttl included) and then given its expiry,
+-- and the two tokens, digit strings without leading zeros, are compared
+-- by length, then by their digits.
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return 0
 end
@@ -44,16 +59,19 @@ local clock = now[1] .. string.sub('00000', #micros) .. micros
 -- KEEPTTL: a companion put back below is put back as it was.
 local stored = redis.pcall('SET', KEYS[2], clock, 'KEEPTTL', 'GET')
 if not stored then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
     return clock
 end
 if type(stored) == 'string' and #stored <= 16 and string.find(stored, '^[1-9]%d*$') then
     if #stored < #clock or (#stored == #clock and stored < clock) then
+        redis.call('PEXPIRE', KEYS[2], ARGV[3])
         return clock
     end
     -- The counter is ahead of the clock: put it back and count on by one,
-    -- while the sum stays exact in a Lua number (below 2^53).
+    -- while the sum stays exact in a Lua number (below 2^53). INCR keeps
+    -- the expiry.
     if #stored < 16 or stored < '9007199254740991' then
-        redis.call('SET', KEYS[2], stored, 'KEEPTTL')
+        redis.call('SET', KEYS[2], stored, 'PX', ARGV[3])
         return redis.call('INCR', KEYS[2])
     end
 end

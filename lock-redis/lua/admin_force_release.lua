@@ -9,6 +9,14 @@
 --          SPUBLISH (Redis Cluster, on the shard channel of KEYS[1]'s slot)
 -- ARGV[2]  the release channel; the message is the lock key (KEYS[1]), as
 --          release.lua and release_sharded.lua send it
+-- ARGV[3]  the idle period in milliseconds (RedisConfig::fence_idle): the
+--          freed lock's companion expires that long after, as after a
+--          release, unless the key is taken again
+--
+-- The companion is kept (with that expiry), so the next token is above
+-- the freed holder's; and a lost companion cannot make tokens go back
+-- either, since each token is at least the server clock in microseconds
+-- (see acquire.lua).
 --
 -- A lock of withlock's format is a string key whose value is an owner
 -- token (`<node id>/<32 hex digits>`, the node id not empty), which has an
@@ -50,6 +58,7 @@ elseif redis.call('EXISTS', KEYS[2]) == 0 then
     verdict = 'no-fence'
 else
     redis.call('DEL', KEYS[1])
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
     redis.call(ARGV[1], ARGV[2], KEYS[1])
     verdict = 'freed'
 end

@@ -1,9 +1,21 @@
--- Resets the expiry of a lock still held by the owner token. Never creates
--- a missing key.
+-- Resets the expiry of a lock still held by the owner token, and its
+-- fencing companion's. Never creates a missing lock key.
 --
 -- KEYS[1]  the lock key
+-- KEYS[2]  its fencing companion (same hash slot)
 -- ARGV[1]  the owner token
 -- ARGV[2]  the new ttl in milliseconds
+-- ARGV[3]  the companion's new ttl in milliseconds: ARGV[2] plus the idle
+--          period (RedisConfig::fence_idle), so that the companion of a
+--          held lock always outlives it
+-- ARGV[4]  the lease's fencing token
+--
+-- A companion lost while the lock is held (deleted by hand, a failover to
+-- a replica that missed it) is put back holding the lease's token, the
+-- last drawn for the key, so that the admin functions, which find locks by
+-- their companions, find this one again. A lost companion cannot make
+-- tokens go back either way: each token is at least the server clock in
+-- microseconds (see acquire.lua).
 --
 -- (pcall: a key of another type, as a client that keeps its locks in a hash
 -- makes, is another owner's lock, not an error.)
@@ -13,6 +25,9 @@
 local holder = redis.pcall('GET', KEYS[1])
 if holder == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    if redis.call('PEXPIRE', KEYS[2], ARGV[3]) == 0 then
+        redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+    end
     return 1
 end
 if holder == false then

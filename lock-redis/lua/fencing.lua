@@ -1,9 +1,11 @@
 -- The acquisition step of a batch (acquire_batch.lua, which follows this
 -- file): the one-key script's (acquire.lua), written as a function.
 --
--- acquire(lock, fence, owner, ttl) takes `lock` (the lock key) for `owner`
--- (`<node id>/<32 hex>`) for `ttl` milliseconds and draws the fencing token
--- from `fence` (its companion key, in the same hash slot; never expires).
+-- acquire(lock, fence, owner, ttl, fence_ttl) takes `lock` (the lock key)
+-- for `owner` (`<node id>/<32 hex>`) for `ttl` milliseconds and draws the
+-- fencing token from `fence` (its companion key, in the same hash slot),
+-- which then expires in `fence_ttl` milliseconds: `ttl` plus the idle
+-- period (RedisConfig::fence_idle).
 --
 -- The token is max(companion + 1, server clock in microseconds since the
 -- Unix epoch), and is stored back in the companion. The counter term makes
@@ -13,6 +15,17 @@
 -- replica that missed the write): the next token is the clock, above every
 -- earlier token as long as the clock did not step back by more than the
 -- counter's lead over it.
+--
+-- The companion expires after the idle period, never while its lock is
+-- held: an acquisition (here) and every extension set its expiry to the
+-- lock's ttl plus the idle period, a release to the idle period. An
+-- expired companion is a lost one, and a lost companion cannot make
+-- tokens go back: the next token is at least the server clock in
+-- microseconds, which is past every earlier token (each was the clock at
+-- its drawing, or the counter, ahead of the clock only by as much as the
+-- clock stepped back). An idle companion expires only after the idle
+-- period, during which the clock moved on by that much again, so tokens
+-- could go back only after the clock stepped back by more than it.
 --
 -- TIME before a write needs effects replication (replicas and the AOF get
 -- the written values, never a re-run of the script): the only mode from
@@ -25,11 +38,13 @@
 -- but a decimal integer from 1 to 2^53 - 2 (no sign, point or leading
 -- zero), or is a key of another type.
 --
--- The common path runs three commands and converts no number: the clock's
+-- The common path runs four commands and converts no number: the clock's
 -- digits are joined as strings (TIME answers strings; Lua's tonumber and
 -- number formatting are the costly parts of a script this small), the
--- companion is swapped with SET ... GET, and the two tokens, digit strings
--- without leading zeros, are compared by length, then by their digits.
+-- companion is swapped with SET ... KEEPTTL GET (so that one holding no
+-- counter is put back as it was, ttl included) and then given its expiry,
+-- and the two tokens, digit strings without leading zeros, are compared
+-- by length, then by their digits.
 
 -- The server clock in microseconds, as a decimal string: read once per
 -- script run, at the first acquisition that needs it.
@@ -43,7 +58,7 @@ local function clock()
     return now
 end
 
-local function acquire(lock, fence, owner, ttl)
+local function acquire(lock, fence, owner, ttl, fence_ttl)
     if not redis.call('SET', lock, owner, 'NX', 'PX', ttl) then
         return 0
     end
@@ -51,16 +66,19 @@ local function acquire(lock, fence, owner, ttl)
     -- KEEPTTL: a companion put back below is put back as it was.
     local stored = redis.pcall('SET', fence, token, 'KEEPTTL', 'GET')
     if not stored then
+        redis.call('PEXPIRE', fence, fence_ttl)
         return token
     end
     if type(stored) == 'string' and #stored <= 16 and string.find(stored, '^[1-9]%d*$') then
         if #stored < #token or (#stored == #token and stored < token) then
+            redis.call('PEXPIRE', fence, fence_ttl)
             return token
         end
         -- The counter is ahead of the clock: put it back and count on by
         -- one, while the sum stays exact in a Lua number (below 2^53).
+        -- INCR keeps the expiry.
         if #stored < 16 or stored < '9007199254740991' then
-            redis.call('SET', fence, stored, 'KEEPTTL')
+            redis.call('SET', fence, stored, 'PX', fence_ttl)
             return redis.call('INCR', fence)
         end
     end

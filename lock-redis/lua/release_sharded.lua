@@ -2,13 +2,21 @@
 -- the shard channel of the key's hash slot (Redis Cluster, Redis >= 7.0).
 --
 -- KEYS[1]  the lock key
+-- KEYS[2]  its fencing companion (same hash slot)
 -- ARGV[1]  the owner token
 -- ARGV[2]  the release channel of KEYS[1]'s slot; the message is KEYS[1]
+-- ARGV[3]  the idle period in milliseconds (RedisConfig::fence_idle): the
+--          companion expires that long after the release unless the key
+--          is taken again
 --
 -- SPUBLISH reaches the subscribers of the shard that owns the slot only,
 -- where classic PUBLISH is broadcast to every node of the cluster. The
 -- channel's hash tag puts it in the key's slot, as a script may only touch
 -- its own slot.
+--
+-- A companion that expires is lost, and a lost companion cannot make
+-- tokens go back: each token is at least the server clock in microseconds
+-- (see acquire.lua).
 --
 -- (pcall: a key of another type, as a client that keeps its locks in a hash
 -- makes, is another owner's lock, not an error.)
@@ -17,6 +25,7 @@
 -- (nothing changed, nothing published).
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
     redis.call('SPUBLISH', ARGV[2], KEYS[1])
     return 1
 end

@@ -121,7 +121,7 @@ impl LockAdmin for RedisBackend {
                 "force release",
                 &FORCE_RELEASE,
                 &[&lock_key, &fence],
-                &["PUBLISH", self.channel()],
+                &["PUBLISH", self.channel(), &self.config().fence_idle_ms()],
             )
             .await?;
         forced(&self.config().prefix, &lock_key, answer)

@@ -378,9 +378,10 @@ impl RedisBackend {
 
     /// The Redis key of the fencing counter of `key`, in the same Redis
     /// Cluster hash slot as [`lock_key`](Self::lock_key): it holds the last
-    /// fencing token drawn for `key`. It never expires: one small integer
-    /// key per lock key ever used. Losing it does not make tokens go back,
-    /// as each token is at least the server clock in microseconds.
+    /// fencing token drawn for `key`. It expires
+    /// [`fence_idle`](RedisConfig::fence_idle) after the lock's last use,
+    /// never while the lock is held. Losing it does not make tokens go
+    /// back, as each token is at least the server clock in microseconds.
     pub fn fence_key(&self, key: &str) -> String {
         fence_key(&self.lock_key(key))
     }
@@ -503,6 +504,7 @@ impl RedisBackend {
                 .key(keys[1])
                 .arg(owner.as_str())
                 .arg(ttl_ms(ttl))
+                .arg(self.inner.config.fence_ttl_ms(ttl))
                 .invoke_async(&mut conn)
                 .await
                 .map_err(map_redis_error)?;
@@ -520,8 +522,10 @@ impl RedisBackend {
             }
             let released: i64 = RELEASE
                 .key(keys[0])
+                .key(keys[1])
                 .arg(owner.as_str())
                 .arg(&self.inner.channel)
+                .arg(self.inner.config.fence_idle_ms())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(map_redis_error)?;
@@ -679,9 +683,11 @@ impl BatchOnTheWire {
         let backend = self.backend.clone();
         let answer = {
             let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 2);
-            let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 2 + 1);
+            let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 3 + 2);
+            let idle = backend.inner.config.fence_idle_ms();
             if self.step == Step::Release {
                 args.push(&backend.inner.channel);
+                args.push(&idle);
             }
             for queued in &self.batch {
                 keys.extend(queued.keys.iter().map(String::as_str));
@@ -775,12 +781,16 @@ impl RedisBackend {
     ) -> Result<Vec<ExtendOutcome>, BackendError> {
         let mut pipe = redis::pipe();
         for request in requests {
+            let lock_key = self.lock_key(request.lease.key());
             pipe.cmd("EVALSHA")
                 .arg(EXTEND.get_hash())
-                .arg(1)
-                .arg(self.lock_key(request.lease.key()).as_ref())
+                .arg(2)
+                .arg(lock_key.as_ref())
+                .arg(fence_key(&lock_key))
                 .arg(request.lease.owner().as_str())
-                .arg(ttl_ms(request.ttl));
+                .arg(ttl_ms(request.ttl))
+                .arg(self.inner.config.fence_ttl_ms(request.ttl))
+                .arg(request.lease.fencing_token());
         }
         let answers: Vec<i64> = self
             .bounded("extension", async {
@@ -981,7 +991,11 @@ impl LockBackend for RedisBackend {
                         "acquisition",
                         &ACQUIRE,
                         &[&lock_key, &fence],
-                        &[owner.as_str(), &ttl_ms(ttl)],
+                        &[
+                            owner.as_str(),
+                            &ttl_ms(ttl),
+                            &self.inner.config.fence_ttl_ms(ttl),
+                        ],
                     )
                     .await?
                 }
@@ -990,7 +1004,11 @@ impl LockBackend for RedisBackend {
                         .queued(
                             Step::Acquisition,
                             vec![lock_key.into_owned(), fence.clone()],
-                            vec![owner.as_str().to_owned(), ttl_ms(ttl)],
+                            vec![
+                                owner.as_str().to_owned(),
+                                ttl_ms(ttl),
+                                self.inner.config.fence_ttl_ms(ttl),
+                            ],
                         )
                         .await?;
                     match i64::from_redis_value(&answer) {
@@ -1004,18 +1022,26 @@ impl LockBackend for RedisBackend {
         acquire_outcome(answer)
     }
 
-    /// `PEXPIRE` if the key still holds the owner token, in one script.
+    /// `PEXPIRE` if the key still holds the owner token, and of its fencing
+    /// companion to the ttl plus [`fence_idle`](RedisConfig::fence_idle)
+    /// (put back if it was lost), in one script.
     ///
     /// # Cancel safety
     ///
     /// A dropped call may or may not have extended the key.
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        let lock_key = self.lock_key(lease.key());
         let answer = self
             .run_script(
                 "extension",
                 &EXTEND,
-                &[&self.lock_key(lease.key())],
-                &[lease.owner().as_str(), &ttl_ms(ttl)],
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    lease.owner().as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                    &lease.fencing_token().to_string(),
+                ],
             )
             .await?;
         extend_outcome(answer)
@@ -1044,8 +1070,9 @@ impl LockBackend for RedisBackend {
         0
     }
 
-    /// `DEL` if the key still holds the owner token, then `PUBLISH` of the
-    /// key on the release channel, in one script.
+    /// `DEL` if the key still holds the owner token, then the fencing
+    /// companion set to expire in [`fence_idle`](RedisConfig::fence_idle)
+    /// and `PUBLISH` of the key on the release channel, in one script.
     ///
     /// # Cancel safety
     ///
@@ -1053,19 +1080,24 @@ impl LockBackend for RedisBackend {
     /// is safe.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
+        let fence = fence_key(&lock_key);
         let answer = if let Some(_counted) = self.alone(Step::Release) {
             self.run_script(
                 "release",
                 &RELEASE,
-                &[&lock_key],
-                &[lease.owner().as_str(), &self.inner.channel],
+                &[&lock_key, &fence],
+                &[
+                    lease.owner().as_str(),
+                    &self.inner.channel,
+                    &self.inner.config.fence_idle_ms(),
+                ],
             )
             .await?
         } else {
             let answer = self
                 .queued(
                     Step::Release,
-                    vec![lock_key.into_owned()],
+                    vec![lock_key.into_owned(), fence],
                     vec![lease.owner().as_str().to_owned()],
                 )
                 .await?;

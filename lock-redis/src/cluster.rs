@@ -404,10 +404,13 @@ impl RedisClusterBackend {
             for (_, lock_key, request) in &requests {
                 pipe.cmd("EVALSHA")
                     .arg(EXTEND_SCRIPT.script.get_hash())
-                    .arg(1)
+                    .arg(2)
                     .arg(lock_key)
+                    .arg(fence_key(lock_key))
                     .arg(request.lease.owner().as_str())
-                    .arg(ttl_ms(request.ttl));
+                    .arg(ttl_ms(request.ttl))
+                    .arg(self.inner.config.fence_ttl_ms(request.ttl))
+                    .arg(request.lease.fencing_token());
             }
             let route = SingleNodeRoutingInfo::ByAddress { host, port };
             let mut answer = conn
@@ -457,8 +460,13 @@ impl RedisClusterBackend {
                     let answer = eval(
                         &mut conn,
                         &EXTEND_SCRIPT,
-                        &[lock_key],
-                        &[request.lease.owner().as_str(), &ttl_ms(request.ttl)],
+                        &[lock_key, &fence_key(lock_key)],
+                        &[
+                            request.lease.owner().as_str(),
+                            &ttl_ms(request.ttl),
+                            &self.inner.config.fence_ttl_ms(request.ttl),
+                            &request.lease.fencing_token().to_string(),
+                        ],
                     )
                     .await
                     .map_err(map_cluster_error)?;
@@ -872,7 +880,11 @@ impl LockBackend for RedisClusterBackend {
                 "acquisition",
                 &ACQUIRE_SCRIPT,
                 &[&lock_key, &fence],
-                &[owner.as_str(), &ttl_ms(ttl)],
+                &[
+                    owner.as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                ],
             )
             .await?;
         acquire_outcome(answer)
@@ -885,12 +897,18 @@ impl LockBackend for RedisClusterBackend {
     ///
     /// A dropped call may or may not have extended the key.
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        let lock_key = self.lock_key(lease.key());
         let answer = self
             .run_script(
                 "extension",
                 &EXTEND_SCRIPT,
-                &[&self.lock_key(lease.key())],
-                &[lease.owner().as_str(), &ttl_ms(ttl)],
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    lease.owner().as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                    &lease.fencing_token().to_string(),
+                ],
             )
             .await?;
         extend_outcome(answer)
@@ -999,8 +1017,12 @@ impl LockBackend for RedisClusterBackend {
             .run_script(
                 "release",
                 &RELEASE_SCRIPT,
-                &[&lock_key],
-                &[lease.owner().as_str(), &channel],
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    lease.owner().as_str(),
+                    &channel,
+                    &self.inner.config.fence_idle_ms(),
+                ],
             )
             .await?;
         release_outcome(answer)

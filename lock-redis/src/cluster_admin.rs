@@ -122,7 +122,7 @@ impl LockAdmin for RedisClusterBackend {
                 &FORCE_RELEASE_SCRIPT,
                 &lock_key,
                 &fence,
-                &["SPUBLISH", &channel],
+                &["SPUBLISH", &channel, &self.config().fence_idle_ms()],
             )
             .await?;
         forced(&self.config().prefix, &lock_key, answer)

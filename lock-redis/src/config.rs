@@ -15,6 +15,7 @@ use std::time::Duration;
 /// | [`max_reconnect_delay`](Self::max_reconnect_delay) | 2 s |
 /// | [`durability`](Self::durability) | none |
 /// | [`batch_steps`](Self::batch_steps) | `true` |
+/// | [`fence_idle`](Self::fence_idle) | 7 days |
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 #[cfg_attr(
@@ -76,7 +77,27 @@ pub struct RedisConfig {
     ///
     /// Default: `true`.
     pub batch_steps: bool,
+    /// How long a key's fencing companion (`{T}:withlock-fence:<key>`, the
+    /// counter its tokens are drawn from) outlives the last use of its
+    /// lock. Each acquisition and extension sets the companion's expiry to
+    /// the lock's ttl plus this, so it never expires while the lock is
+    /// held (an extension puts back a companion lost meanwhile); a release
+    /// sets it to this. A companion that expired costs nothing: tokens
+    /// are at least the server clock in microseconds, so they keep
+    /// increasing, unless the server clock stepped back by more than this
+    /// (see the crate docs, "The fencing counter").
+    ///
+    /// Between 1 ms and 100 years. Default: 7 days.
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
+    pub fence_idle: Duration,
 }
+
+/// The default of [`RedisConfig::fence_idle`]: 7 days.
+const DEFAULT_FENCE_IDLE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The longest [`RedisConfig::fence_idle`]: 100 years, so that a
+/// companion's expiry always fits the server's clock arithmetic.
+const MAX_FENCE_IDLE: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 impl Default for RedisConfig {
     fn default() -> Self {
@@ -89,6 +110,7 @@ impl Default for RedisConfig {
             max_reconnect_delay: Duration::from_secs(2),
             durability: None,
             batch_steps: true,
+            fence_idle: DEFAULT_FENCE_IDLE,
         }
     }
 }
@@ -152,6 +174,24 @@ impl RedisConfig {
         self
     }
 
+    /// Sets [`fence_idle`](Self::fence_idle). Defaults to 7 days.
+    #[must_use]
+    pub fn fence_idle(mut self, idle: Duration) -> Self {
+        self.fence_idle = idle;
+        self
+    }
+
+    /// The companion's ttl for a lock taken or extended for `ttl`, in
+    /// milliseconds, as the scripts take it.
+    pub(crate) fn fence_ttl_ms(&self, ttl: Duration) -> String {
+        crate::backend::ttl_ms(ttl.saturating_add(self.fence_idle))
+    }
+
+    /// The companion's ttl after a release, in milliseconds.
+    pub(crate) fn fence_idle_ms(&self) -> String {
+        crate::backend::ttl_ms(self.fence_idle)
+    }
+
     pub(crate) fn validate(&self) -> Result<(), SetupError> {
         let invalid = |field| {
             Err(SetupError::InvalidConfig {
@@ -170,6 +210,18 @@ impl RedisConfig {
         }
         if self.max_reconnect_delay.is_zero() {
             return invalid("max_reconnect_delay");
+        }
+        if self.fence_idle < Duration::from_millis(1) {
+            return Err(SetupError::InvalidConfig {
+                field: "fence_idle",
+                reason: "is under 1 ms",
+            });
+        }
+        if self.fence_idle > MAX_FENCE_IDLE {
+            return Err(SetupError::InvalidConfig {
+                field: "fence_idle",
+                reason: "is over 100 years",
+            });
         }
         Ok(())
     }

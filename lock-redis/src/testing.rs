@@ -42,12 +42,14 @@ pub use sentinel::{SentinelAuth, SentinelGroup, MASTER_NAME};
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 
 /// The backend's acquisition script, as `EVALSHA` runs it (keys: the lock
-/// key and its fencing companion; arguments: the owner token and the ttl
-/// in milliseconds), for benchmarks and tests that send it by hand.
+/// key and its fencing companion; arguments: the owner token, the ttl and
+/// the companion's ttl in milliseconds), for benchmarks and tests that
+/// send it by hand.
 pub const ACQUIRE_SCRIPT: &str = crate::backend::ACQUIRE_LUA;
 
-/// The backend's release script (key: the lock key; arguments: the owner
-/// token and the release channel).
+/// The backend's release script (keys: the lock key and its fencing
+/// companion; arguments: the owner token, the release channel and the
+/// companion's idle period in milliseconds).
 pub const RELEASE_SCRIPT: &str = include_str!("../lua/release.lua");
 
 /// `REDIS_URL`, or [`DEFAULT_URL`].

@@ -265,3 +265,116 @@ async fn a_lock_kept_in_a_hash_is_another_owner() {
     let kind = key_type(&mut conn, &lock_key).await;
     assert_eq!(kind, "hash", "the foreign lock is untouched");
 }
+
+/// [H4] On every master, as on one server: a companion's expiry is above
+/// its held lock's after the acquisition and after extensions (alone and
+/// batched per node), an extension puts back a companion deleted by hand,
+/// and after the release the companion expires in the idle period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h4_companions_expire_after_the_idle_period_never_while_held() {
+    let cluster = shared_cluster();
+    let idle = Duration::from_secs(3600);
+    let idle_ms = i64::try_from(idle.as_millis()).unwrap();
+    let backend =
+        ScratchClusterBackend::new(&cluster.urls(), RedisConfig::default().fence_idle(idle));
+    let owner = OwnerToken::new("idle");
+    let mut leases = Vec::new();
+    let mut masters = HashSet::new();
+    for i in 0..24 {
+        let key = format!("idle:{i}");
+        let AcquireOutcome::Acquired { fencing_token } =
+            backend.try_acquire(&key, &owner, TTL).await.unwrap()
+        else {
+            panic!("{key} is free");
+        };
+        masters.insert(
+            cluster
+                .master_of_key(&backend.lock_key(&key))
+                .unwrap()
+                .port(),
+        );
+        leases.push(Lease::new(key, owner.clone(), fencing_token));
+    }
+    assert_eq!(masters.len(), 3, "keys on every master: {masters:?}");
+    // Expiry times on the key's master: (lock, companion), ms since the epoch.
+    let expiries = |key: String| {
+        let lock_key = backend.lock_key(&key);
+        let fence = backend.fence_key(&key);
+        let url = cluster.master_of_key(&lock_key).unwrap().url();
+        async move {
+            let mut conn = redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let (lock, companion, pttl): (i64, i64, i64) = redis::pipe()
+                .cmd("PEXPIRETIME")
+                .arg(&lock_key)
+                .cmd("PEXPIRETIME")
+                .arg(&fence)
+                .cmd("PTTL")
+                .arg(&fence)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            (lock, companion, pttl, conn, fence)
+        }
+    };
+    for lease in &leases {
+        let (lock, companion, pttl, ..) = expiries(lease.key().to_owned()).await;
+        assert!(
+            lock > 0 && companion > lock && pttl > idle_ms,
+            "{}: acquired: lock at {lock}, companion at {companion}",
+            lease.key()
+        );
+    }
+    // One companion lost by hand: the next extension puts it back.
+    let (.., mut conn, fence) = expiries(leases[0].key().to_owned()).await;
+    let deleted: u64 = redis::cmd("DEL")
+        .arg(&fence)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+    assert_eq!(
+        backend.extend(&leases[0], TTL).await.unwrap(),
+        ExtendOutcome::Extended
+    );
+    let requests: Vec<_> = leases
+        .iter()
+        .map(|lease| ExtendRequest {
+            lease: lease.clone(),
+            ttl: TTL * 2,
+        })
+        .collect();
+    for answer in backend.extend_many(&requests).await {
+        assert_eq!(answer.unwrap(), ExtendOutcome::Extended);
+    }
+    for lease in &leases {
+        let (lock, companion, pttl, ..) = expiries(lease.key().to_owned()).await;
+        assert!(
+            companion > lock && pttl > idle_ms + i64::try_from(TTL.as_millis()).unwrap(),
+            "{}: extended: lock at {lock}, companion at {companion}, {pttl} ms",
+            lease.key()
+        );
+    }
+    let stored: u64 = redis::cmd("GET")
+        .arg(&fence)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        stored,
+        leases[0].fencing_token(),
+        "put back by the extension"
+    );
+    for lease in &leases {
+        backend.release(lease).await.unwrap();
+        let (lock, _, pttl, ..) = expiries(lease.key().to_owned()).await;
+        assert!(
+            lock == -2 && pttl > 0 && pttl <= idle_ms,
+            "{}: released: lock {lock}, companion {pttl} ms",
+            lease.key()
+        );
+    }
+}

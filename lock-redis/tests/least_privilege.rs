@@ -3,6 +3,8 @@
 //! nothing else (no `@dangerous`, so no `INFO`; no keys or channels outside
 //! the prefix). The server is this test binary's own.
 
+mod common;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
@@ -10,57 +12,21 @@ use std::sync::{Arc, LazyLock};
 use lock_conformance::{AdminStore, BackendFactory};
 use lock_core::DynLockBackend;
 
+use common::acl::{set_user, OPERATOR_EXTRA, PREFIX, SINGLE_NODE};
 use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
-
-/// The prefix the user's keys and channel live under.
-const PREFIX: &str = "jobs:";
-
-/// The ACL of a lock user for keys under [`PREFIX`], as the lock-redis
-/// docs give it (single node).
-const LOCK_USER_ACL: &[&str] = &[
-    "on",
-    "resetkeys",
-    "~jobs:*",
-    "~{*}:withlock-fence:jobs:*",
-    "resetchannels",
-    "&jobs:withlock:released",
-    "-@all",
-    "+ping",
-    "+hello",
-    "+evalsha",
-    "+eval",
-    "+script|load",
-    "+get",
-    "+set",
-    "+del",
-    "+pexpire",
-    "+time",
-    "+incr",
-    "+publish",
-    "+subscribe",
-    "+unsubscribe",
-];
-
-/// What an operator (`withlock list`, `inspect`, `release --force`) needs
-/// beyond the lock user's rules.
-const OPERATOR_EXTRA: &[&str] = &["+scan", "+pttl", "+type", "+exists"];
 
 static SERVER: LazyLock<RedisServer> = LazyLock::new(|| {
     let server = RedisServer::start().expect("a redis-server of this test's own");
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_connection().unwrap();
-    for (user, password, extra) in [
-        ("locker", "lock-secret", &[][..]),
-        ("operator", "op-secret", OPERATOR_EXTRA),
-    ] {
-        let mut cmd = redis::cmd("ACL");
-        cmd.arg("SETUSER").arg(user).arg(format!(">{password}"));
-        for rule in LOCK_USER_ACL.iter().chain(extra) {
-            cmd.arg(*rule);
-        }
-        let () = cmd.query(&mut conn).expect("the ACL user is made");
-    }
+    set_user(&mut conn, "locker", "lock-secret", &[SINGLE_NODE]);
+    set_user(
+        &mut conn,
+        "operator",
+        "op-secret",
+        &[SINGLE_NODE, OPERATOR_EXTRA],
+    );
     server
 });
 

@@ -1,6 +1,8 @@
 //! What the test files share.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod acl;
+
 use std::error::Error as _;
 use std::time::Duration;
 

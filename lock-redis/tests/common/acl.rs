@@ -1,0 +1,86 @@
+//! The least-privilege ACL users of the README's table ("Least privilege:
+//! the exact ACL"), for keys and channels under [`PREFIX`]: the rules each
+//! row lists, made on a server of the test's own.
+
+/// The prefix the users' keys and channels live under.
+pub const PREFIX: &str = "jobs:";
+
+/// A lock user on one node (README row "single node").
+pub const SINGLE_NODE: &[&str] = &[
+    "on",
+    "resetkeys",
+    "~jobs:*",
+    "~{*}:withlock-fence:jobs:*",
+    "resetchannels",
+    "&jobs:withlock:released",
+    "-@all",
+    "+ping",
+    "+evalsha",
+    "+script|load",
+    "+get",
+    "+set",
+    "+del",
+    "+pexpire",
+    "+time",
+    "+incr",
+    "+publish",
+    "+subscribe",
+    "+unsubscribe",
+];
+
+/// What a lock user behind Sentinel needs on the data nodes beyond
+/// [`SINGLE_NODE`] (README row "Sentinel"): the `redis` crate's Sentinel
+/// client asks the primary the Sentinels name for its `ROLE`.
+pub const SENTINEL_EXTRA: &[&str] = &["+role"];
+
+/// A lock user on every node of a Redis Cluster (README row "Cluster").
+pub const CLUSTER: &[&str] = &[
+    "on",
+    "resetkeys",
+    "~jobs:*",
+    "~{*}:withlock-fence:jobs:*",
+    "resetchannels",
+    "&{*}:jobs:withlock:released",
+    "-@all",
+    "+ping",
+    "+hello",
+    "+evalsha",
+    "+script|load",
+    "+get",
+    "+set",
+    "+del",
+    "+pexpire",
+    "+time",
+    "+incr",
+    "+spublish",
+    "+ssubscribe",
+    "+sunsubscribe",
+    "+cluster|slots",
+    "+cluster|myid",
+    "+cluster|nodes",
+    "+cluster|info",
+    "+asking",
+];
+
+/// What an operator (`withlock list`, `inspect`, `release --force`) needs
+/// beyond a lock user's rules (README row "operators").
+pub const OPERATOR_EXTRA: &[&str] = &["+scan", "+pttl", "+type", "+exists"];
+
+/// Makes (or resets) `user` with `password` and `rules` on the node that
+/// `conn` reaches.
+pub fn set_user(conn: &mut redis::Connection, user: &str, password: &str, rules: &[&[&str]]) {
+    let mut cmd = redis::cmd("ACL");
+    cmd.arg("SETUSER")
+        .arg(user)
+        .arg("reset")
+        .arg(format!(">{password}"));
+    for rule in rules.iter().flat_map(|r| r.iter()) {
+        cmd.arg(*rule);
+    }
+    let () = cmd.query(conn).expect("the ACL user is made");
+}
+
+/// `url` (`redis://host:port`) with `user`'s credentials.
+pub fn as_user(url: &str, user: &str, password: &str) -> String {
+    url.replace("redis://", &format!("redis://{user}:{password}@"))
+}
