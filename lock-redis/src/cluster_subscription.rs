@@ -33,8 +33,10 @@ use redis::{PushInfo, PushKind, Value};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::Instant;
 
-use crate::cluster::{is_broken, map_cluster_error, query_slot, slot_channel};
+use crate::cluster::slot_channel;
 use crate::slot::key_slot;
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use redis::{ErrorKind, RedisError};
 
 #[derive(Clone)]
 enum State {
@@ -73,10 +75,27 @@ pub(crate) struct ShardedSubscription {
 }
 
 impl ShardedSubscription {
-    pub(crate) fn new(client: ClusterClient, config: &crate::RedisConfig) -> Self {
+    pub(crate) fn new(
+        infos: &[redis::ConnectionInfo],
+        trust: &crate::tls::Trust,
+        config: &crate::RedisConfig,
+    ) -> Result<Self, crate::SetupError> {
+        let builder = redis::cluster::ClusterClientBuilder::new(infos.to_vec())
+            .retries(0)
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .connection_timeout(config.step_timeout)
+            .response_timeout(config.step_timeout);
+        #[cfg(feature = "tls")]
+        let builder = match trust.certificates() {
+            Some(certificates) => builder.certs(certificates.clone()),
+            None => builder,
+        };
+        #[cfg(not(feature = "tls"))]
+        let _ = trust;
+        let client = builder.build().map_err(crate::SetupError::InvalidUrl)?;
         let (alive, start) = oneshot::channel();
         let (state, _) = watch::channel(State::Connecting);
-        Self {
+        Ok(Self {
             shared: Arc::new(Shared {
                 client,
                 prefix: config.prefix.clone(),
@@ -93,7 +112,11 @@ impl ShardedSubscription {
             }),
             start: Mutex::new(Some(start)),
             _alive: alive,
-        }
+        })
+    }
+
+    pub(crate) fn stats(&self) -> crate::SubscriptionStats {
+        crate::SubscriptionStats::default()
     }
 
     pub(crate) fn is_subscribed(&self) -> bool {
@@ -102,7 +125,12 @@ impl ShardedSubscription {
 
     /// A watch on `key` (without prefix) whose lock key is in `slot`,
     /// returned once the slot's channel is subscribed.
-    pub(crate) async fn watch(&self, key: &str, slot: u16) -> Result<ReleaseWatch, BackendError> {
+    pub(crate) async fn watch(
+        &self,
+        _nodes: &crate::cluster_nodes::ClusterNodes,
+        key: &str,
+        slot: u16,
+    ) -> Result<ReleaseWatch, BackendError> {
         // The watch first: a release from now on either reaches it, or is
         // covered by the wake-up of every watch after a resubscription.
         let watch = self.shared.hub.watch(key);
@@ -426,4 +454,118 @@ async fn listen(
             }
         }
     }
+}
+
+/// Where one request goes.
+#[derive(Clone)]
+enum Target {
+    /// The master of a slot, as the connection's slot map says.
+    Slot(u16),
+    /// A node named by an `ASK` answer: `ASKING` first, on the same connection.
+    Asking(SingleNodeRoutingInfo),
+}
+
+fn by_address(addr: &str) -> Option<SingleNodeRoutingInfo> {
+    let (host, port) = addr.rsplit_once(':')?;
+    Some(SingleNodeRoutingInfo::ByAddress {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+    })
+}
+
+async fn send(
+    conn: &mut ClusterConnection,
+    cmd: &redis::Cmd,
+    target: &Target,
+) -> redis::RedisResult<Value> {
+    match target {
+        Target::Slot(slot) => {
+            let route = Route::new(*slot, SlotAddr::Master);
+            conn.route_command(
+                cmd,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+            )
+            .await
+        }
+        Target::Asking(node) => {
+            let mut pipe = redis::pipe();
+            pipe.cmd("ASKING").add_command(cmd.clone());
+            let mut answers = conn.route_pipeline(&pipe, 1, 1, node.clone()).await?;
+            answers.pop().ok_or_else(|| {
+                RedisError::from((ErrorKind::ResponseError, "no answer after ASKING"))
+            })
+        }
+    }
+}
+
+/// `cmd` on the master of `slot`, following `MOVED` / `ASK` answers.
+async fn query_slot(
+    conn: &mut ClusterConnection,
+    cmd: &redis::Cmd,
+    slot: u16,
+) -> redis::RedisResult<Value> {
+    let mut target = Target::Slot(slot);
+    let mut redirects = 0;
+    loop {
+        match send(conn, cmd, &target).await {
+            Err(e) if is_redirect(&e) && redirects < MAX_REDIRECTS => {
+                redirects += 1;
+                target = redirected(e)?;
+            }
+            answer => return answer,
+        }
+    }
+}
+
+/// Where a `MOVED` or `ASK` answer points. After `MOVED` the connection
+/// reads the topology again before it sends anything else, so the request
+/// goes by slot once more; after `ASK` (a slot being migrated) it goes to
+/// the node named, after `ASKING`.
+fn redirected(error: RedisError) -> redis::RedisResult<Target> {
+    match error.redirect_node() {
+        Some((_, slot)) if error.kind() == ErrorKind::Moved => Ok(Target::Slot(slot)),
+        Some((addr, _)) => match by_address(addr) {
+            Some(node) => Ok(Target::Asking(node)),
+            None => Err(error),
+        },
+        None => Err(error),
+    }
+}
+
+fn is_redirect(error: &RedisError) -> bool {
+    matches!(error.kind(), ErrorKind::Moved | ErrorKind::Ask)
+}
+
+fn map_cluster_error(error: RedisError) -> BackendError {
+    if error.is_connection_refusal() || error.kind() == ErrorKind::ClusterConnectionNotFound {
+        crate::config::connection_error(error)
+    } else {
+        crate::backend::map_redis_error(error)
+    }
+}
+
+fn is_broken(error: &BackendError) -> bool {
+    error.is_timeout()
+        || error
+            .inner()
+            .downcast_ref::<RedisError>()
+            .is_none_or(crate::cluster_nodes::is_broken)
+}
+
+const MAX_REDIRECTS: usize = 3;
+
+/// What the sharded release subscription of a
+/// [`RedisClusterBackend`](crate::RedisClusterBackend) sent, from
+/// [`subscription_stats`](crate::RedisClusterBackend::subscription_stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriptionStats {
+    /// Subscription requests sent: each one write to one node, carrying
+    /// one `SSUBSCRIBE` per channel it subscribes.
+    pub subscribe_requests: u64,
+    /// Shard channels unsubscribed with `SUNSUBSCRIBE` because no waiter
+    /// needed them any more.
+    pub unsubscribed_channels: u64,
+    /// Shard channels subscribed now.
+    pub subscribed_channels: usize,
 }
