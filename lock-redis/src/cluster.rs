@@ -160,13 +160,12 @@ impl RedisClusterBackend {
         }
         let given = infos.iter().map(|i| i.addr.to_string()).collect();
         let has_password = infos.iter().any(|i| i.redis.password.is_some());
+        let _ = trust; // on the infos already
         let nodes =
             ClusterNodes::new(&infos, config.step_timeout).ok_or(SetupError::NoClusterNodes)?;
-        let subscription = if config.release_notifications {
-            Some(ShardedSubscription::new(&infos, trust, &config)?)
-        } else {
-            None
-        };
+        let subscription = config
+            .release_notifications
+            .then(|| ShardedSubscription::new(nodes.clone(), &config));
         Ok(Self {
             inner: Arc::new(Inner {
                 nodes,

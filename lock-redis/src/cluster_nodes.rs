@@ -151,7 +151,7 @@ impl SlotMap {
 
 /// The slot map as last read, and how the last read went.
 #[derive(Clone, Default)]
-struct MapState {
+pub(crate) struct MapState {
     map: Option<Arc<SlotMap>>,
     /// Counts finished reads; with the error of the last, if it failed.
     reads: u64,
@@ -182,7 +182,9 @@ impl NodeLinks {
     }
 }
 
-/// The nodes of one cluster, shared by the clones of a backend.
+/// The nodes of one cluster, shared by the clones of a backend (and its
+/// subscription).
+#[derive(Clone)]
 pub(crate) struct ClusterNodes {
     inner: Arc<Shared>,
 }
@@ -225,6 +227,17 @@ impl ClusterNodes {
     /// The slot map as last read, without waiting.
     pub(crate) fn cached_map(&self) -> Option<Arc<SlotMap>> {
         self.inner.map.borrow().map.clone()
+    }
+
+    /// Changes at every read of the slot map.
+    pub(crate) fn map_changes(&self) -> watch::Receiver<MapState> {
+        self.inner.map.subscribe()
+    }
+
+    /// The connection settings of `node`: those of the first node given,
+    /// at the node's address.
+    pub(crate) fn info(&self, node: &Node) -> ConnectionInfo {
+        self.inner.info(node)
     }
 
     /// Whether some node connection is up.
@@ -305,7 +318,12 @@ impl ClusterNodes {
         node: &Node,
         lane: Lane,
     ) -> Result<(u64, MultiplexedConnection), BackendError> {
-        self.inner.connection(node, lane).await
+        let made = self.inner.connection(node, lane).await;
+        if made.is_err() {
+            // The node may be gone, its slots served elsewhere.
+            self.refresh();
+        }
+        made
     }
 
     /// Forgets the connection of `generation` to `node` on `lane` after
