@@ -1,28 +1,28 @@
 //! `RedisClusterBackend`: the lock steps on a Redis Cluster, each script
-//! routed to the master of its key's hash slot by the `redis` crate's async
-//! cluster connection, extensions batched per node, and releases announced
-//! by `SPUBLISH` on a shard channel of the key's slot.
+//! sent to the master of its key's hash slot on that master's own
+//! connection (see [`crate::cluster_nodes`]), concurrent steps batched per
+//! master (see [`crate::cluster_batch`]), and releases announced by
+//! `SPUBLISH` on a shard channel of the key's slot.
+//!
+//! Every script call of the cluster backend is built in this file
+//! ([`script_pipe`]), with its keys and arguments.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
     ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
-use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{ErrorKind, RedisError, Script, Value};
-use tokio::time::Instant;
 
 use crate::backend::{
     acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
 };
+use crate::cluster_batch::{Batchers, Kind};
+use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::slot::{fence_key, key_slot, slot_tag};
@@ -36,16 +36,13 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
 static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
-/// How many `MOVED` / `ASK` answers one step follows. Such an answer means
-/// the script did not run, so following it is routing, not a retry.
-const MAX_REDIRECTS: usize = 3;
-
 /// A lock backend on a Redis Cluster: the same keys, values, scripts and
 /// fencing counters as [`RedisBackend`](crate::RedisBackend), each step
-/// routed to the master of its key's slot, and release notifications over
-/// sharded pub/sub (`SPUBLISH` / `SSUBSCRIBE`, Redis 7.0 or later).
+/// sent to the master of its key's slot on that master's own connection,
+/// and release notifications over sharded pub/sub (`SPUBLISH` /
+/// `SSUBSCRIBE`, Redis 7.0 or later).
 ///
-/// Cheap to clone; clones share the cluster connection and the
+/// Cheap to clone; clones share the node connections and the
 /// subscription, which ends when the last clone is dropped.
 #[derive(Clone)]
 pub struct RedisClusterBackend {
@@ -53,47 +50,56 @@ pub struct RedisClusterBackend {
 }
 
 struct Inner {
-    client: ClusterClient,
+    nodes: ClusterNodes,
     /// `host:port` of the nodes the backend was given, for `Debug` and errors.
-    nodes: Vec<String>,
+    given: Vec<String>,
     has_password: bool,
     config: RedisConfig,
-    link: Link,
-    /// Which master serves which slot, as `CLUSTER SLOTS` said last, to
-    /// group extensions by node. Dropped after a redirection.
-    slots: Mutex<Option<Arc<SlotMap>>>,
+    /// Acquisitions and releases waiting to go out together, per master.
+    batchers: Batchers,
     subscription: Option<ShardedSubscription>,
 }
 
 impl RedisClusterBackend {
-    /// A backend on the user's cluster `client`, with the default
-    /// [`RedisConfig`]. Nothing connects until the first call.
+    /// A backend on the cluster whose nodes (one or more; the others are
+    /// found with `CLUSTER SLOTS`) are `nodes`, with the default
+    /// [`RedisConfig`]. Every node is reached with the credentials,
+    /// protocol and TLS settings of the first. Nothing connects until the
+    /// first call.
     ///
-    /// Build the client with `.retries(0)`: a step is one attempt and the
-    /// driver retries, where the crate's own retries would run a step again
-    /// after a lost answer (an acquisition could then answer busy for a key
-    /// it took). Redirections (`MOVED`, `ASK`) are followed by the backend
-    /// either way. Release notifications need
-    /// `.use_protocol(redis::ProtocolVersion::RESP3)`; on RESP2 the first
-    /// wait fails and waiters poll every `retry_delay`.
-    pub fn new(client: ClusterClient) -> Self {
-        Self::build(client, Vec::new(), false, RedisConfig::default())
-    }
-
-    /// A backend on the user's cluster `client` with `config`.
+    /// The backend keeps one connection per node rather than taking a
+    /// `redis::cluster::ClusterClient`: see the crate docs ("Redis
+    /// Cluster") for why.
     ///
     /// # Errors
     ///
-    /// [`SetupError::InvalidConfig`] when a field of `config` is out of range.
-    pub fn with_config(client: ClusterClient, config: RedisConfig) -> Result<Self, SetupError> {
-        validate(&config)?;
-        Ok(Self::build(client, Vec::new(), false, config))
+    /// [`SetupError::NoClusterNodes`] for an empty list, and
+    /// [`SetupError::InvalidUrl`] for a node that is not a TCP address.
+    pub fn new(nodes: impl IntoIterator<Item = redis::ConnectionInfo>) -> Result<Self, SetupError> {
+        Self::with_config(nodes, RedisConfig::default())
     }
 
-    /// A backend with a cluster client of its own, from the URLs of one or
-    /// more nodes of the cluster (`redis://:password@host:port`); the others
-    /// are found with `CLUSTER SLOTS`. The client makes one attempt per step
-    /// (`retries(0)`) and speaks RESP3, for sharded pub/sub.
+    /// [`new`](Self::new) with `config`.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), and [`SetupError::InvalidConfig`] when a
+    /// field of `config` is out of range.
+    pub fn with_config(
+        nodes: impl IntoIterator<Item = redis::ConnectionInfo>,
+        config: RedisConfig,
+    ) -> Result<Self, SetupError> {
+        validate(&config)?;
+        let infos: Vec<_> = nodes.into_iter().collect();
+        if infos.is_empty() {
+            return Err(SetupError::NoClusterNodes);
+        }
+        Self::from_infos(infos, &Trust::system(), config)
+    }
+
+    /// A backend from the URLs of one or more nodes of the cluster
+    /// (`redis://:password@host:port`); the others are found with
+    /// `CLUSTER SLOTS`.
     ///
     /// # Errors
     ///
@@ -143,23 +149,33 @@ impl RedisClusterBackend {
         trust: &Trust,
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
-        let nodes = infos.iter().map(|i| i.addr.to_string()).collect();
+        if infos
+            .iter()
+            .any(|i| matches!(i.addr, redis::ConnectionAddr::Unix(_)))
+        {
+            return Err(SetupError::InvalidUrl(RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "a Redis Cluster node is a TCP address, not a Unix socket",
+            ))));
+        }
+        let given = infos.iter().map(|i| i.addr.to_string()).collect();
         let has_password = infos.iter().any(|i| i.redis.password.is_some());
-        let builder = ClusterClientBuilder::new(infos)
-            .retries(0)
-            .use_protocol(redis::ProtocolVersion::RESP3)
-            .connection_timeout(config.step_timeout)
-            .response_timeout(config.step_timeout);
-        // The builder puts the certificates on the nodes it finds too.
-        #[cfg(feature = "tls")]
-        let builder = match trust.certificates() {
-            Some(certificates) => builder.certs(certificates.clone()),
-            None => builder,
-        };
-        #[cfg(not(feature = "tls"))]
-        let _ = trust;
-        let client = builder.build().map_err(SetupError::InvalidUrl)?;
-        Ok(Self::build(client, nodes, has_password, config))
+        let _ = trust; // on the infos already
+        let nodes =
+            ClusterNodes::new(&infos, config.step_timeout).ok_or(SetupError::NoClusterNodes)?;
+        let subscription = config
+            .release_notifications
+            .then(|| ShardedSubscription::new(nodes.clone(), &config));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                nodes,
+                given,
+                has_password,
+                config,
+                batchers: Batchers::default(),
+                subscription,
+            }),
+        })
     }
 
     /// Like [`from_urls`](Self::from_urls), and checks at once that the
@@ -172,7 +188,9 @@ impl RedisClusterBackend {
     /// node answers, [`SetupError::NotACluster`] for a node without cluster
     /// support, [`SetupError::ClusterNodesDisagree`] when two nodes are not
     /// members of one cluster, [`SetupError::ClusterNotReady`] when the
-    /// cluster does not serve every slot.
+    /// cluster does not serve every slot, and
+    /// [`SetupError::NotEnoughReplicas`] when [`RedisConfig::durability`]
+    /// waits for more replicas than some master has.
     ///
     /// # Cancel safety
     ///
@@ -235,38 +253,20 @@ impl RedisClusterBackend {
                 other => other,
             })?;
         let backend = Self::from_infos(infos, &trust, config)?;
-        backend
-            .bounded("connecting", |mut conn| async move {
-                redis::cmd("PING")
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .map_err(map_redis_error)
-            })
+        let map = backend
+            .bounded("connecting", backend.inner.nodes.map())
             .await
             .map_err(|error| connect_error(error, "the cluster nodes"))?;
-        Ok(backend)
-    }
-
-    fn build(
-        client: ClusterClient,
-        nodes: Vec<String>,
-        has_password: bool,
-        config: RedisConfig,
-    ) -> Self {
-        let subscription = config
-            .release_notifications
-            .then(|| ShardedSubscription::new(client.clone(), &config));
-        Self {
-            inner: Arc::new(Inner {
-                client,
-                nodes,
-                has_password,
-                config,
-                link: Link::default(),
-                slots: Mutex::new(None),
-                subscription,
-            }),
+        if let Some(durability) = backend.inner.config.durability {
+            let available = map.fewest_replicas().unwrap_or(0);
+            if usize::try_from(durability.replicas).map_or(true, |wanted| wanted > available) {
+                return Err(SetupError::NotEnoughReplicas {
+                    wanted: durability.replicas,
+                    available: u32::try_from(available).unwrap_or(u32::MAX),
+                });
+            }
         }
+        Ok(backend)
     }
 
     /// The configuration the backend was made with.
@@ -293,8 +293,9 @@ impl RedisClusterBackend {
         slot_channel(key_slot(&self.lock_key(key)), &self.inner.config.prefix)
     }
 
-    /// Whether the sharded subscription connection is up now (always false
-    /// with notifications off, and before the first wait).
+    /// Whether the release subscription is up now: some node's shard
+    /// channels are subscribed (always false with notifications off, and
+    /// before the first wait).
     pub fn is_subscribed(&self) -> bool {
         self.inner
             .subscription
@@ -302,198 +303,306 @@ impl RedisClusterBackend {
             .is_some_and(ShardedSubscription::is_subscribed)
     }
 
-    /// Runs `work` on the shared cluster connection within the step timeout,
-    /// connection included; forgets the connection after an error that may
-    /// mean it is broken (a timeout, a lost or refused node connection), so
-    /// that the next step connects afresh and reads the topology again.
-    pub(crate) async fn bounded<T, F, Fut>(
+    /// Counts of what the release subscription sent, for tests and
+    /// diagnostics: see [`SubscriptionStats`](crate::SubscriptionStats).
+    /// All zero with notifications off.
+    pub fn subscription_stats(&self) -> crate::SubscriptionStats {
+        self.inner
+            .subscription
+            .as_ref()
+            .map(ShardedSubscription::stats)
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn nodes(&self) -> &ClusterNodes {
+        &self.inner.nodes
+    }
+
+    /// Runs `work` within the step timeout.
+    pub(crate) async fn bounded<T>(
         &self,
         step: &'static str,
-        work: F,
-    ) -> Result<T, BackendError>
-    where
-        F: FnOnce(ClusterConnection) -> Fut,
-        Fut: Future<Output = Result<T, BackendError>>,
-    {
-        let limit = self.inner.config.step_timeout;
-        let deadline = Instant::now() + limit;
-        let (generation, conn) =
-            match tokio::time::timeout_at(deadline, self.inner.link.get(&self.inner.client, limit))
-                .await
-            {
-                Ok(got) => got?,
-                Err(_) => return Err(BackendError::timeout(step, limit)),
-            };
-        let answer = match tokio::time::timeout_at(deadline, work(conn)).await {
-            Ok(answer) => answer,
-            Err(_) => Err(BackendError::timeout(step, limit)),
-        };
-        if let Err(error) = &answer {
-            if is_broken(error) {
-                self.inner.link.forget(generation);
-                self.forget_slots();
-            }
-        }
-        answer
-    }
-
-    fn forget_slots(&self) {
-        *self
-            .inner
-            .slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
-    }
-
-    /// The slot map, read with `CLUSTER SLOTS` when there is none.
-    pub(crate) async fn slot_map(
-        &self,
-        conn: &mut ClusterConnection,
-    ) -> Result<Arc<SlotMap>, BackendError> {
-        if let Some(map) = self
-            .inner
-            .slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-        {
-            return Ok(map);
-        }
-        let answer: Value = redis::cmd("CLUSTER")
-            .arg("SLOTS")
-            .query_async(conn)
+        work: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        self.bounded_for(step, self.inner.config.step_timeout, work)
             .await
-            .map_err(map_redis_error)?;
-        let map = Arc::new(SlotMap::parse(&answer)?);
-        *self
-            .inner
-            .slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::clone(&map));
-        Ok(map)
     }
 
-    async fn run_script(
+    async fn bounded_for<T>(
         &self,
         step: &'static str,
-        script: &'static Lua,
+        limit: Duration,
+        work: impl std::future::Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        tokio::time::timeout(limit, work)
+            .await
+            .unwrap_or_else(|_| Err(BackendError::timeout(step, limit)))
+    }
+
+    /// The master of `key`'s lock key's slot, as the slot map last read
+    /// says (`None` before the first read).
+    fn cached_master(&self, lock_key: &str) -> Option<Node> {
+        self.inner
+            .nodes
+            .cached_map()
+            .and_then(|map| map.master_of(key_slot(lock_key)).cloned())
+    }
+
+    /// `lua` on the master of `keys[0]`'s slot, on `lane`, within the step
+    /// timeout (following redirections, loading the script after
+    /// `NOSCRIPT`): its answer, an error reply as an error.
+    pub(crate) async fn eval(
+        &self,
+        step: &'static str,
+        lane: Lane,
+        lua: &Lua,
         keys: &[&str],
         args: &[&str],
-    ) -> Result<i64, BackendError> {
-        self.bounded(step, |mut conn| async move {
-            let answer = eval(&mut conn, script, keys, args)
-                .await
-                .map_err(map_cluster_error)?;
-            redis::from_redis_value::<i64>(&answer)
-                .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))
-        })
-        .await
+    ) -> Result<Value, BackendError> {
+        let pipe = script_pipe(lua, keys, args);
+        let slot = keys.first().map_or(0, |k| key_slot(k));
+        let values = self
+            .bounded(
+                step,
+                self.inner.nodes.run(lane, slot, &pipe, 1, Some(lua.code)),
+            )
+            .await?;
+        self.answer(values.into_iter().next())
     }
 
-    /// The leases of one node's group in one pipeline, one round trip; when
-    /// the pipeline meets a redirection (the slot map was stale) or its node
-    /// is unknown, each lease on its own, redirections followed.
+    /// One answer of a script call: an error reply as an error (reading the
+    /// slot map again after one that says the cluster changed).
+    pub(crate) fn answer(&self, value: Option<Value>) -> Result<Value, BackendError> {
+        match value {
+            Some(Value::ServerError(error)) => {
+                let error = RedisError::from(error);
+                if matches!(
+                    error.kind(),
+                    ErrorKind::ClusterDown
+                        | ErrorKind::MasterDown
+                        | ErrorKind::TryAgain
+                        | ErrorKind::Moved
+                        | ErrorKind::Ask
+                        | ErrorKind::ReadOnly
+                ) {
+                    self.inner.nodes.refresh();
+                }
+                Err(map_redis_error(error))
+            }
+            Some(value) => Ok(value),
+            None => Err(BackendError::message(
+                BackendErrorKind::Protocol,
+                "no answer to the script",
+            )),
+        }
+    }
+
+    /// A step of `kind` with `keys` and `args` on the master of `keys[0]`:
+    /// alone, or batched with the others of its kind waiting for that
+    /// master (see [`crate::cluster_batch`]).
+    async fn step(
+        &self,
+        kind: Kind,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<Value, BackendError> {
+        let master = if self.inner.config.batch_steps {
+            keys.first().and_then(|k| self.cached_master(k))
+        } else {
+            None
+        };
+        let Some(master) = master else {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            return self
+                .eval(kind.name(), Lane::Steps, kind.lua(), &keys, &args)
+                .await;
+        };
+        crate::cluster_batch::step(self, &self.inner.batchers, master, kind, keys, args).await
+    }
+
+    /// The acquisition script, then `WAIT` on the same connection of the
+    /// same master, in one pipeline; when too few replicas acknowledged,
+    /// the release script on that connection, and an error.
+    async fn acquire_durably(
+        &self,
+        durability: crate::Durability,
+        lock_key: &str,
+        fence: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<i64, BackendError> {
+        let limit = self.inner.config.step_timeout + durability.timeout;
+        let mut pipe = script_pipe(
+            &ACQUIRE_SCRIPT,
+            &[lock_key, fence],
+            &[
+                owner.as_str(),
+                &ttl_ms(ttl),
+                &self.inner.config.fence_ttl_ms(ttl),
+            ],
+        );
+        pipe.cmd("WAIT")
+            .arg(durability.replicas)
+            .arg(ttl_ms(durability.timeout));
+        let slot = key_slot(lock_key);
+        let values = self
+            .bounded_for(
+                "acquisition",
+                limit,
+                self.inner
+                    .nodes
+                    .run(Lane::Durable, slot, &pipe, 2, Some(ACQUIRE_SCRIPT.code)),
+            )
+            .await?;
+        let mut values = values.into_iter();
+        let acquired = script_number("acquisition", self.answer(values.next())?)?;
+        if acquired <= 0 {
+            return Ok(acquired);
+        }
+        let acked = match values.next() {
+            Some(Value::Int(n)) => n,
+            other => {
+                return Err(BackendError::message(
+                    BackendErrorKind::Protocol,
+                    format!("unexpected answer to WAIT: {other:?}"),
+                ))
+            }
+        };
+        if acked >= i64::from(durability.replicas) {
+            return Ok(acquired);
+        }
+        let channel = slot_channel(slot, &self.inner.config.prefix);
+        let released = self
+            .eval(
+                "release",
+                Lane::Durable,
+                &RELEASE_SCRIPT,
+                &[lock_key, fence],
+                &[owner.as_str(), &channel, &self.inner.config.fence_idle_ms()],
+            )
+            .await
+            .and_then(|v| script_number("release", v));
+        Err(BackendError::message(
+            BackendErrorKind::Request,
+            format!(
+                "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
+                durability.replicas,
+                durability.timeout,
+                match released {
+                    Ok(1) => "the lock was released",
+                    Ok(_) => "the lock was gone already",
+                    Err(_) => "its release failed (it expires with its ttl)",
+                },
+            ),
+        ))
+    }
+
+    /// The leases of one master in one pipeline, one round trip; a lease
+    /// whose answer is a redirection (the slot map was stale) or `NOSCRIPT`
+    /// is extended again on its own, redirections followed.
     async fn extend_group(
         &self,
-        mut conn: ClusterConnection,
-        node: Option<(String, u16)>,
-        requests: Vec<(usize, String, &ExtendRequest)>,
-    ) -> Result<Vec<(usize, Result<ExtendOutcome, BackendError>)>, BackendError> {
-        if let Some((host, port)) = node.filter(|_| requests.len() > 1) {
-            let mut pipe = redis::pipe();
-            for (_, lock_key, request) in &requests {
-                pipe.cmd("EVALSHA")
-                    .arg(EXTEND_SCRIPT.script.get_hash())
-                    .arg(2)
-                    .arg(lock_key)
-                    .arg(fence_key(lock_key))
-                    .arg(request.lease.owner().as_str())
-                    .arg(ttl_ms(request.ttl))
-                    .arg(self.inner.config.fence_ttl_ms(request.ttl))
-                    .arg(request.lease.fencing_token());
-            }
-            let route = SingleNodeRoutingInfo::ByAddress { host, port };
-            let mut answer = conn
-                .route_pipeline(&pipe, 0, requests.len(), route.clone())
-                .await;
-            if matches!(&answer, Err(e) if e.kind() == ErrorKind::NoScriptError) {
-                load(&mut conn, &EXTEND_SCRIPT, &Target::Node(route.clone()))
-                    .await
-                    .map_err(map_cluster_error)?;
-                answer = conn.route_pipeline(&pipe, 0, requests.len(), route).await;
-            }
-            match answer {
-                Ok(values) => {
-                    if values.len() != requests.len() {
-                        return Err(BackendError::message(
-                            BackendErrorKind::Protocol,
-                            format!("{} answers to {} extensions", values.len(), requests.len()),
-                        ));
-                    }
-                    return Ok(requests
-                        .iter()
-                        .zip(values)
-                        .map(|((i, _, _), value)| {
-                            let outcome = redis::from_redis_value::<i64>(&value)
-                                .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))
-                                .and_then(extend_outcome);
-                            (*i, outcome)
-                        })
-                        .collect());
-                }
-                // A stale slot map: a redirection, or a node the
-                // connection no longer knows (a master that died).
-                Err(e) if is_redirect(&e) || e.kind() == ErrorKind::ClientError => {
-                    tracing::debug!(error = %e, "extension batch misrouted; extending one by one");
-                    self.forget_slots();
-                }
-                Err(e) => {
-                    self.forget_slots();
-                    return Err(map_cluster_error(e));
-                }
-            }
-        }
-        let each = requests.iter().map(|(i, lock_key, request)| {
-            let mut conn = conn.clone();
+        master: Option<Node>,
+        group: Vec<(usize, String, &ExtendRequest)>,
+    ) -> Vec<(usize, Result<ExtendOutcome, BackendError>)> {
+        let extend_one = |lock_key: &str, request: &ExtendRequest| {
+            let (lock_key, owner, ttl, fence_ttl, token) = (
+                lock_key.to_owned(),
+                request.lease.owner().as_str().to_owned(),
+                ttl_ms(request.ttl),
+                self.inner.config.fence_ttl_ms(request.ttl),
+                request.lease.fencing_token().to_string(),
+            );
             async move {
-                let outcome = async {
-                    let answer = eval(
-                        &mut conn,
-                        &EXTEND_SCRIPT,
-                        &[lock_key, &fence_key(lock_key)],
-                        &[
-                            request.lease.owner().as_str(),
-                            &ttl_ms(request.ttl),
-                            &self.inner.config.fence_ttl_ms(request.ttl),
-                            &request.lease.fencing_token().to_string(),
-                        ],
-                    )
-                    .await
-                    .map_err(map_cluster_error)?;
-                    let n = redis::from_redis_value::<i64>(&answer)
-                        .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))?;
-                    extend_outcome(n)
-                }
-                .await;
-                (*i, outcome)
+                self.eval(
+                    "extension",
+                    Lane::Steps,
+                    &EXTEND_SCRIPT,
+                    &[&lock_key, &fence_key(&lock_key)],
+                    &[&owner, &ttl, &fence_ttl, &token],
+                )
+                .await
+                .and_then(|v| extend_outcome(script_number("extension", v)?))
             }
-        });
-        Ok(futures_util::future::join_all(each).await)
+        };
+        let Some(master) = master else {
+            let each = group.iter().map(|(i, lock_key, request)| async move {
+                (*i, extend_one(lock_key, request).await)
+            });
+            return futures_util::future::join_all(each).await;
+        };
+        let mut pipe = redis::pipe();
+        for (_, lock_key, request) in &group {
+            add_script(
+                &mut pipe,
+                &EXTEND_SCRIPT,
+                &[lock_key, &fence_key(lock_key)],
+                &[
+                    request.lease.owner().as_str(),
+                    &ttl_ms(request.ttl),
+                    &self.inner.config.fence_ttl_ms(request.ttl),
+                    &request.lease.fencing_token().to_string(),
+                ],
+            );
+        }
+        let sent = self
+            .bounded(
+                "extension",
+                self.inner
+                    .nodes
+                    .send(&master, Lane::Steps, &pipe, 0, group.len()),
+            )
+            .await;
+        let values = match sent {
+            Ok(values) => values,
+            Err(error) => {
+                return group
+                    .iter()
+                    .map(|(i, _, _)| (*i, Err(error.clone())))
+                    .collect()
+            }
+        };
+        let each = group
+            .iter()
+            .zip(values)
+            .map(|((i, lock_key, request), value)| async move {
+                let outcome = if needs_routing(&value) {
+                    extend_one(lock_key, request).await
+                } else {
+                    self.answer(Some(value))
+                        .and_then(|v| extend_outcome(script_number("extension", v)?))
+                };
+                (*i, outcome)
+            });
+        futures_util::future::join_all(each).await
     }
 }
 
-/// `config` checked for a cluster: in range, and asking nothing the
-/// cluster backend cannot do. `durability` (`WAIT` after each acquisition)
-/// is refused rather than ignored: this backend does not send `WAIT` yet.
+/// `config` checked for a cluster: in range (the durability setting too).
 fn validate(config: &RedisConfig) -> Result<(), SetupError> {
     config.validate()?;
-    if config.durability.is_some() {
-        return Err(SetupError::InvalidConfig {
-            field: "durability",
-            reason: "is not supported by RedisClusterBackend yet (it would not send WAIT): refused rather than ignored",
-        });
+    crate::durability::validate(config)
+}
+
+/// Whether a script's answer says it did not run where it was sent: a
+/// redirection (`MOVED`, `ASK`) or a script the node does not have
+/// (`NOSCRIPT`). Sent again on its own, it is routed and loaded.
+pub(crate) fn needs_routing(value: &Value) -> bool {
+    match value {
+        Value::ServerError(error) => matches!(error.code(), "MOVED" | "ASK" | "NOSCRIPT"),
+        _ => false,
     }
-    Ok(())
+}
+
+/// A script's answer as a number.
+pub(crate) fn script_number(step: &str, value: Value) -> Result<i64, BackendError> {
+    redis::from_redis_value::<i64>(&value).map_err(|e| {
+        BackendError::message(
+            BackendErrorKind::Protocol,
+            format!("the {step} script's answer: {e}"),
+        )
+    })
 }
 
 /// The shard channel of `slot`: `{N}:<prefix>withlock:released`.
@@ -530,309 +639,41 @@ pub(crate) struct Lua {
     pub(crate) script: &'static LazyLock<Script>,
 }
 
-static ACQUIRE_SCRIPT: Lua = Lua {
+pub(crate) static ACQUIRE_SCRIPT: Lua = Lua {
     code: ACQUIRE_LUA,
     script: &ACQUIRE,
 };
-static EXTEND_SCRIPT: Lua = Lua {
+pub(crate) static EXTEND_SCRIPT: Lua = Lua {
     code: EXTEND_LUA,
     script: &EXTEND,
 };
-static RELEASE_SCRIPT: Lua = Lua {
+pub(crate) static RELEASE_SCRIPT: Lua = Lua {
     code: RELEASE_LUA,
     script: &RELEASE,
 };
 
-/// Where one request goes.
-#[derive(Clone)]
-enum Target {
-    /// The master of a slot, as the connection's slot map says.
-    Slot(u16),
-    /// One node, by address.
-    Node(SingleNodeRoutingInfo),
-    /// A node named by an `ASK` answer: `ASKING` first, on the same connection.
-    Asking(SingleNodeRoutingInfo),
+/// One script call as a pipeline of one command.
+pub(crate) fn script_pipe(lua: &Lua, keys: &[&str], args: &[&str]) -> redis::Pipeline {
+    let mut pipe = redis::Pipeline::with_capacity(2);
+    add_script(&mut pipe, lua, keys, args);
+    pipe
 }
 
-fn by_address(addr: &str) -> Option<SingleNodeRoutingInfo> {
-    let (host, port) = addr.rsplit_once(':')?;
-    Some(SingleNodeRoutingInfo::ByAddress {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
-}
-
-async fn send(
-    conn: &mut ClusterConnection,
-    cmd: &redis::Cmd,
-    target: &Target,
-) -> redis::RedisResult<Value> {
-    match target {
-        Target::Slot(slot) => {
-            let route = Route::new(*slot, SlotAddr::Master);
-            conn.route_command(
-                cmd,
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-            )
-            .await
-        }
-        Target::Node(node) => {
-            conn.route_command(cmd, RoutingInfo::SingleNode(node.clone()))
-                .await
-        }
-        Target::Asking(node) => {
-            let mut pipe = redis::pipe();
-            pipe.cmd("ASKING").add_command(cmd.clone());
-            let mut answers = conn.route_pipeline(&pipe, 1, 1, node.clone()).await?;
-            answers.pop().ok_or_else(|| {
-                RedisError::from((ErrorKind::ResponseError, "no answer after ASKING"))
-            })
-        }
-    }
-}
-
-/// `SCRIPT LOAD` of `lua` on the node of `target` only (a cluster
-/// connection would send it to every node, and fail while one is down).
-async fn load(conn: &mut ClusterConnection, lua: &Lua, target: &Target) -> redis::RedisResult<()> {
-    let mut cmd = redis::cmd("SCRIPT");
-    cmd.arg("LOAD").arg(lua.code);
-    let target = match target {
-        Target::Asking(node) => Target::Node(node.clone()),
-        other => other.clone(),
-    };
-    send(conn, &cmd, &target).await.map(drop)
-}
-
-/// `EVALSHA` of `lua` on the master of `keys[0]`'s slot: after `NOSCRIPT`
-/// the script is loaded there and sent again, after `MOVED` / `ASK` it is
-/// sent where the answer points. Neither answer means the script ran.
-pub(crate) async fn eval(
-    conn: &mut ClusterConnection,
-    lua: &Lua,
-    keys: &[&str],
-    args: &[&str],
-) -> redis::RedisResult<Value> {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(lua.script.get_hash()).arg(keys.len());
-    for key in keys {
-        cmd.arg(*key);
-    }
-    for arg in args {
-        cmd.arg(*arg);
-    }
-    let mut target = Target::Slot(keys.first().map_or(0, |k| key_slot(k)));
-    let mut loaded = false;
-    let mut redirects = 0;
-    loop {
-        match send(conn, &cmd, &target).await {
-            Err(e) if e.kind() == ErrorKind::NoScriptError && !loaded => {
-                loaded = true;
-                load(conn, lua, &target).await?;
-            }
-            Err(e) if is_redirect(&e) && redirects < MAX_REDIRECTS => {
-                redirects += 1;
-                target = redirected(e)?;
-            }
-            answer => return answer,
-        }
-    }
-}
-
-/// `cmd` on the master of `slot`, following `MOVED` / `ASK` answers.
-pub(crate) async fn query_slot(
-    conn: &mut ClusterConnection,
-    cmd: &redis::Cmd,
-    slot: u16,
-) -> redis::RedisResult<Value> {
-    let mut target = Target::Slot(slot);
-    let mut redirects = 0;
-    loop {
-        match send(conn, cmd, &target).await {
-            Err(e) if is_redirect(&e) && redirects < MAX_REDIRECTS => {
-                redirects += 1;
-                target = redirected(e)?;
-            }
-            answer => return answer,
-        }
-    }
-}
-
-/// Where a `MOVED` or `ASK` answer points. After `MOVED` the connection
-/// reads the topology again before it sends anything else, so the request
-/// goes by slot once more; after `ASK` (a slot being migrated) it goes to
-/// the node named, after `ASKING`.
-fn redirected(error: RedisError) -> redis::RedisResult<Target> {
-    match error.redirect_node() {
-        Some((_, slot)) if error.kind() == ErrorKind::Moved => Ok(Target::Slot(slot)),
-        Some((addr, _)) => match by_address(addr) {
-            Some(node) => Ok(Target::Asking(node)),
-            None => Err(error),
-        },
-        None => Err(error),
-    }
-}
-
-fn is_redirect(error: &RedisError) -> bool {
-    matches!(error.kind(), ErrorKind::Moved | ErrorKind::Ask)
-}
-
-/// A request that failed to reach its node (refused, no route): nothing
-/// was sent, so it is `Unavailable`; anything else as
-/// [`map_redis_error`] maps it.
-pub(crate) fn map_cluster_error(error: RedisError) -> BackendError {
-    if error.is_connection_refusal() || error.kind() == ErrorKind::ClusterConnectionNotFound {
-        crate::config::connection_error(error)
-    } else {
-        map_redis_error(error)
-    }
-}
-
-pub(crate) fn is_broken(error: &BackendError) -> bool {
-    error.is_timeout()
-        || error.inner().downcast_ref::<RedisError>().is_none_or(|e| {
-            e.is_io_error()
-                || e.is_connection_dropped()
-                || e.is_connection_refusal()
-                || e.is_unrecoverable_error()
-                || e.is_timeout()
-                || matches!(
-                    e.kind(),
-                    ErrorKind::ClusterConnectionNotFound
-                        | ErrorKind::ClusterDown
-                        | ErrorKind::MasterDown
-                )
-        })
-}
-
-/// The backend's one cluster connection (which holds one multiplexed
-/// connection per node), made on first use and after a broken one was
-/// forgotten. Each connection has a generation, so that a step that saw an
-/// old one failing does not forget a newer one.
-#[derive(Default)]
-struct Link {
-    current: Mutex<Option<(u64, ClusterConnection)>>,
-    connecting: tokio::sync::Mutex<()>,
-    generation: AtomicU64,
-}
-
-impl Link {
-    fn current(&self) -> Option<(u64, ClusterConnection)> {
-        self.current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// The connection; a failed connection is
-    /// [`Unavailable`](BackendErrorKind::Unavailable): nothing was sent.
-    async fn get(
-        &self,
-        client: &ClusterClient,
-        timeout: Duration,
-    ) -> Result<(u64, ClusterConnection), BackendError> {
-        if let Some(current) = self.current() {
-            return Ok(current);
-        }
-        let _one_at_a_time = self.connecting.lock().await;
-        if let Some(current) = self.current() {
-            return Ok(current);
-        }
-        let config = ClusterConfig::new()
-            .set_connection_timeout(timeout)
-            .set_response_timeout(timeout);
-        let conn = client
-            .get_async_connection_with_config(config)
-            .await
-            .map_err(BackendError::unavailable)?;
-        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
-        *self.current.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some((generation, conn.clone()));
-        Ok((generation, conn))
-    }
-
-    fn forget(&self, generation: u64) {
-        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
-        if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-            *current = None;
-        }
-    }
-
-    fn is_connected(&self) -> bool {
-        self.current().is_some()
-    }
-}
-
-/// A node's `(host, port)`.
-pub(crate) type Node = (String, u16);
-
-/// Which master serves each slot, from `CLUSTER SLOTS`.
-#[derive(Debug, Default)]
-pub(crate) struct SlotMap {
-    /// `(first slot, last slot, master)`, the master `None` when the
-    /// cluster announces no usable address for it.
-    ranges: Vec<(u16, u16, Option<Node>)>,
-}
-
-impl SlotMap {
-    fn parse(answer: &Value) -> Result<Self, BackendError> {
-        let bad = || {
-            BackendError::message(
-                BackendErrorKind::Protocol,
-                "unexpected CLUSTER SLOTS answer",
-            )
-        };
-        let Value::Array(entries) = answer else {
-            return Err(bad());
-        };
-        let mut ranges = Vec::with_capacity(entries.len());
-        for entry in entries {
-            let Value::Array(fields) = entry else {
-                return Err(bad());
-            };
-            let (Some(first), Some(last), Some(Value::Array(master))) =
-                (fields.first(), fields.get(1), fields.get(2))
-            else {
-                return Err(bad());
-            };
-            let first: u16 = redis::from_redis_value(first).map_err(|_| bad())?;
-            let last: u16 = redis::from_redis_value(last).map_err(|_| bad())?;
-            let host = master
-                .first()
-                .and_then(|h| redis::from_redis_value::<String>(h).ok())
-                .filter(|h| !h.is_empty() && h != "?");
-            let port = master
-                .get(1)
-                .and_then(|p| redis::from_redis_value::<u16>(p).ok());
-            ranges.push((first, last, host.zip(port)));
-        }
-        Ok(Self { ranges })
-    }
-
-    /// Every master that serves a slot, once each; `None` stands for the
-    /// masters of ranges the cluster announces no usable address for.
-    pub(crate) fn masters(&self) -> Vec<Option<Node>> {
-        let mut masters: Vec<Option<Node>> = Vec::new();
-        for (_, _, master) in &self.ranges {
-            if !masters.contains(master) {
-                masters.push(master.clone());
-            }
-        }
-        masters
-    }
-
-    fn master_of(&self, slot: u16) -> Option<(String, u16)> {
-        self.ranges
-            .iter()
-            .find(|(first, last, _)| (*first..=*last).contains(&slot))
-            .and_then(|(_, _, master)| master.clone())
-    }
+/// `EVALSHA` of `lua` with `keys` and `args`, added to `pipe`: every
+/// script call of the cluster backend (and its admin) is made here.
+pub(crate) fn add_script(pipe: &mut redis::Pipeline, lua: &Lua, keys: &[&str], args: &[&str]) {
+    pipe.cmd("EVALSHA")
+        .arg(lua.script.get_hash())
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args);
 }
 
 impl fmt::Debug for RedisClusterBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Never the client: its Debug would show the password.
+        // Never the connection infos: their Debug would show the password.
         f.debug_struct("RedisClusterBackend")
-            .field("nodes", &self.inner.nodes)
+            .field("nodes", &self.inner.given)
             .field(
                 "password",
                 &if self.inner.has_password {
@@ -842,7 +683,7 @@ impl fmt::Debug for RedisClusterBackend {
                 },
             )
             .field("config", &self.inner.config)
-            .field("connected", &self.inner.link.is_connected())
+            .field("connected", &self.inner.nodes.is_connected())
             .field("subscribed", &self.is_subscribed())
             .finish()
     }
@@ -859,9 +700,10 @@ impl LockBackend for RedisClusterBackend {
     }
 
     /// The acquisition script of [`RedisBackend`](crate::RedisBackend) on
-    /// the master of the key's slot (the counter is in the same slot).
+    /// the master of the key's slot (the counter is in the same slot); with
+    /// [`RedisConfig::durability`], `WAIT` after it on the same connection.
     /// Fails with kind [`Unavailable`](BackendErrorKind::Unavailable) when
-    /// the cluster or the key's node could not be reached: nothing was sent.
+    /// the key's master could not be reached: nothing was sent.
     ///
     /// # Cancel safety
     ///
@@ -875,18 +717,25 @@ impl LockBackend for RedisClusterBackend {
     ) -> Result<AcquireOutcome, BackendError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
-        let answer = self
-            .run_script(
-                "acquisition",
-                &ACQUIRE_SCRIPT,
-                &[&lock_key, &fence],
-                &[
-                    owner.as_str(),
-                    &ttl_ms(ttl),
-                    &self.inner.config.fence_ttl_ms(ttl),
-                ],
-            )
-            .await?;
+        let answer = match self.inner.config.durability {
+            Some(durability) => {
+                Box::pin(self.acquire_durably(durability, &lock_key, &fence, owner, ttl)).await?
+            }
+            None => {
+                let value = self
+                    .step(
+                        Kind::Acquisition,
+                        vec![lock_key, fence],
+                        vec![
+                            owner.as_str().to_owned(),
+                            ttl_ms(ttl),
+                            self.inner.config.fence_ttl_ms(ttl),
+                        ],
+                    )
+                    .await?;
+                script_number("acquisition", value)?
+            }
+        };
         acquire_outcome(answer)
     }
 
@@ -898,9 +747,10 @@ impl LockBackend for RedisClusterBackend {
     /// A dropped call may or may not have extended the key.
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
-        let answer = self
-            .run_script(
+        let value = self
+            .eval(
                 "extension",
+                Lane::Steps,
                 &EXTEND_SCRIPT,
                 &[&lock_key, &fence_key(&lock_key)],
                 &[
@@ -911,14 +761,15 @@ impl LockBackend for RedisClusterBackend {
                 ],
             )
             .await?;
-        extend_outcome(answer)
+        extend_outcome(script_number("extension", value)?)
     }
 
     /// The leases grouped by the master that serves their slot, one
-    /// pipeline per master, the pipelines sent at once: one round trip per
-    /// node. A group that meets a redirection (a slot moved since the slot
-    /// map was read) is extended lease by lease instead; extensions can be
-    /// repeated.
+    /// pipeline per master on that master's own connection, the pipelines
+    /// sent at once, each under its own deadline: one round trip per node,
+    /// and a hung master delays only its own leases \[L4\]. A lease whose
+    /// answer is a redirection (a slot moved since the slot map was read)
+    /// is extended again on its own; extensions can be repeated.
     ///
     /// # Cancel safety
     ///
@@ -930,48 +781,28 @@ impl LockBackend for RedisClusterBackend {
         if requests.is_empty() {
             return Vec::new();
         }
-        let map = self
-            .bounded("extension", |mut conn| async move {
-                self.slot_map(&mut conn).await
-            })
-            .await;
-        let map = match map {
+        let map = match self.bounded("extension", self.inner.nodes.map()).await {
             Ok(map) => map,
             Err(error) => return vec![Err(error); requests.len()],
         };
-        let mut groups: HashMap<Option<(String, u16)>, Vec<(usize, String, &ExtendRequest)>> =
+        let mut groups: HashMap<Option<Node>, Vec<(usize, String, &ExtendRequest)>> =
             HashMap::new();
         for (i, request) in requests.iter().enumerate() {
             let lock_key = self.lock_key(request.lease.key());
-            let node = map.master_of(key_slot(&lock_key));
-            groups.entry(node).or_default().push((i, lock_key, request));
+            let master = map.master_of(key_slot(&lock_key)).cloned();
+            groups
+                .entry(master)
+                .or_default()
+                .push((i, lock_key, request));
         }
-        // [L4] Each node's group under its own deadline, its failure its own.
-        let batches = groups.into_iter().map(|(node, group)| {
-            let positions: Vec<usize> = group.iter().map(|(i, _, _)| *i).collect();
-            async move {
-                let answer = self
-                    .bounded("extension", move |conn| {
-                        self.extend_group(conn, node, group)
-                    })
-                    .await;
-                (positions, answer)
-            }
-        });
+        let batches = groups
+            .into_iter()
+            .map(|(master, group)| self.extend_group(master, group));
         let mut results: Vec<Option<Result<ExtendOutcome, BackendError>>> =
             vec![None; requests.len()];
-        for (positions, answer) in futures_util::future::join_all(batches).await {
-            match answer {
-                Ok(group) => {
-                    for (i, result) in group {
-                        results[i] = Some(result);
-                    }
-                }
-                Err(error) => {
-                    for i in positions {
-                        results[i] = Some(Err(error.clone()));
-                    }
-                }
+        for group in futures_util::future::join_all(batches).await {
+            for (i, result) in group {
+                results[i] = Some(result);
             }
         }
         results
@@ -988,19 +819,12 @@ impl LockBackend for RedisClusterBackend {
     }
 
     /// The master that serves the key's slot, as the slot map last read
-    /// says; `0` until the map is read (after a redirection too).
+    /// says; `0` until the map is read.
     fn failure_domain(&self, key: &str) -> u64 {
         use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-        let map = self
-            .inner
-            .slots
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        map.and_then(|map| map.master_of(key_slot(&self.lock_key(key))))
-            .map_or(0, |node| {
-                BuildHasherDefault::<DefaultHasher>::default().hash_one(node)
-            })
+        self.cached_master(&self.lock_key(key)).map_or(0, |node| {
+            BuildHasherDefault::<DefaultHasher>::default().hash_one(node)
+        })
     }
 
     /// `DEL` if the key still holds the owner token, then `SPUBLISH` of the
@@ -1013,19 +837,18 @@ impl LockBackend for RedisClusterBackend {
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
         let channel = slot_channel(key_slot(&lock_key), &self.inner.config.prefix);
-        let answer = self
-            .run_script(
-                "release",
-                &RELEASE_SCRIPT,
-                &[&lock_key, &fence_key(&lock_key)],
-                &[
-                    lease.owner().as_str(),
-                    &channel,
-                    &self.inner.config.fence_idle_ms(),
+        let value = self
+            .step(
+                Kind::Release,
+                vec![lock_key.clone(), fence_key(&lock_key)],
+                vec![
+                    lease.owner().as_str().to_owned(),
+                    channel,
+                    self.inner.config.fence_idle_ms(),
                 ],
             )
             .await?;
-        release_outcome(answer)
+        release_outcome(script_number("release", value)?)
     }
 
     /// The extension script with the time left of the minimum hold \[H7\]
@@ -1038,9 +861,9 @@ impl LockBackend for RedisClusterBackend {
 
     /// A watch on `key`, returned once the shard channel of the key's slot
     /// is subscribed on the node that serves it (`SSUBSCRIBE`, confirmed).
-    /// Fails while the subscription connection is down, and after the step
-    /// timeout if the channel cannot be subscribed; the driver then waits on
-    /// its retry timer.
+    /// Fails while that node cannot be reached, and after the step timeout
+    /// if the channel cannot be subscribed; the driver then waits on its
+    /// retry timer.
     ///
     /// # Cancel safety
     ///
@@ -1049,7 +872,19 @@ impl LockBackend for RedisClusterBackend {
         let Some(subscription) = &self.inner.subscription else {
             return Ok(ReleaseWatch::never());
         };
-        subscription.watch(key, key_slot(&self.lock_key(key))).await
+        subscription
+            .watch(&self.inner.nodes, key, key_slot(&self.lock_key(key)))
+            .await
+    }
+}
+
+impl Kind {
+    /// The script of a step of this kind.
+    pub(crate) fn lua(self) -> &'static Lua {
+        match self {
+            Kind::Acquisition => &ACQUIRE_SCRIPT,
+            Kind::Release => &RELEASE_SCRIPT,
+        }
     }
 }
 
@@ -1070,9 +905,9 @@ mod tests {
     }
 
     #[test]
-    fn a_durability_setting_is_refused_not_ignored() {
+    fn a_durability_setting_out_of_range_is_refused() {
         let config = RedisConfig::default()
-            .durability(crate::Durability::new(1, Duration::from_millis(100)));
+            .durability(crate::Durability::new(0, Duration::from_millis(100)));
         let refused = RedisClusterBackend::from_urls_with(["redis://127.0.0.1:1"], config);
         assert!(
             matches!(
@@ -1096,5 +931,30 @@ mod tests {
             parse_urls(["not a url"]),
             Err(SetupError::InvalidUrl(_))
         ));
+        assert!(matches!(
+            RedisClusterBackend::new(Vec::new()),
+            Err(SetupError::NoClusterNodes)
+        ));
+    }
+
+    #[test]
+    fn only_redirections_and_missing_scripts_are_routed_again() {
+        let reply =
+            |text: &str| redis::parse_redis_value(format!("-{text}\r\n").as_bytes()).unwrap();
+        for routed in [
+            "MOVED 3999 127.0.0.1:7001",
+            "ASK 3999 127.0.0.1:7001",
+            "NOSCRIPT No matching script",
+        ] {
+            assert!(needs_routing(&reply(routed)), "{routed}");
+        }
+        for answered in [
+            "ERR the fencing companion x is not a number",
+            "CLUSTERDOWN down",
+            "WRONGTYPE x",
+        ] {
+            assert!(!needs_routing(&reply(answered)), "{answered}");
+        }
+        assert!(!needs_routing(&Value::Int(1)));
     }
 }

@@ -3,14 +3,14 @@
 //! master of its key's slot, and a listing that scans every master.
 
 use lock_core::{async_trait, AdminError, BackendError, BackendErrorKind, LockAdmin, LockInfo};
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
 
 use crate::admin::{
     companion_pattern, forced, info, locks_of_companions, scan, Forced, Read, BATCH, FORCE_RELEASE,
     FORCE_RELEASE_LUA, READ, READ_LUA,
 };
-use crate::cluster::{eval, map_cluster_error, Lua, RedisClusterBackend};
+use crate::cluster::{Lua, RedisClusterBackend};
+use crate::cluster_nodes::Lane;
 use crate::slot::fence_key;
 
 static READ_SCRIPT: Lua = Lua {
@@ -43,44 +43,32 @@ impl LockAdmin for RedisClusterBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
         let redis_prefix = self.lock_key(prefix);
         let pattern = companion_pattern(&redis_prefix);
-        let mut keys = self
-            .bounded("scan", |mut conn| {
-                let (redis_prefix, pattern) = (&redis_prefix, &pattern);
-                async move {
-                    let map = self.slot_map(&mut conn).await?;
-                    let mut keys = Vec::new();
-                    for master in map.masters() {
-                        let Some((host, port)) = master else {
-                            return Err(BackendError::message(
-                                BackendErrorKind::Unavailable,
-                                "the cluster announces no address for the master of some slots: their locks cannot be listed",
-                            ));
-                        };
-                        let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
-                            host,
-                            port,
-                        });
-                        let mut cursor: u64 = 0;
-                        loop {
-                            let answer = conn
-                                .route_command(&scan(cursor, pattern), node.clone())
-                                .await
-                                .map_err(map_cluster_error)?;
-                            let (next, found): (u64, Vec<Vec<u8>>) =
-                                redis::from_redis_value(&answer).map_err(|e| {
-                                    BackendError::new(BackendErrorKind::Protocol, e)
-                                })?;
-                            keys.extend(locks_of_companions(&found, redis_prefix));
-                            if next == 0 {
-                                break;
-                            }
-                            cursor = next;
-                        }
-                    }
-                    Ok(keys)
+        let map = self.bounded("scan", self.nodes().map()).await?;
+        let mut keys = Vec::new();
+        for master in map.masters() {
+            let Some(master) = master else {
+                return Err(BackendError::message(
+                    BackendErrorKind::Unavailable,
+                    "the cluster announces no address for the master of some slots: their locks cannot be listed",
+                ));
+            };
+            let mut cursor: u64 = 0;
+            loop {
+                let mut pipe = redis::pipe();
+                pipe.add_command(scan(cursor, &pattern));
+                let answer = self
+                    .bounded("scan", self.nodes().send(&master, Lane::Steps, &pipe, 0, 1))
+                    .await?;
+                let answer = self.answer(answer.into_iter().next())?;
+                let (next, found): (u64, Vec<Vec<u8>>) = redis::from_redis_value(&answer)
+                    .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))?;
+                keys.extend(locks_of_companions(&found, &redis_prefix));
+                if next == 0 {
+                    break;
                 }
-            })
-            .await?;
+                cursor = next;
+            }
+        }
         // A key seen on two masters (its slot moved during the scan) once.
         keys.sort();
         keys.dedup();
@@ -141,11 +129,7 @@ impl RedisClusterBackend {
         args: &[&str],
     ) -> Result<T, BackendError> {
         let answer: Value = self
-            .bounded(step, |mut conn| async move {
-                eval(&mut conn, lua, &[lock_key, fence], args)
-                    .await
-                    .map_err(map_cluster_error)
-            })
+            .eval(step, Lane::Steps, lua, &[lock_key, fence], args)
             .await?;
         redis::from_redis_value(&answer)
             .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))

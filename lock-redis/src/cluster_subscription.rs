@@ -1,135 +1,237 @@
-//! The sharded subscription of a [`RedisClusterBackend`](crate::RedisClusterBackend):
-//! one RESP3 cluster connection (one multiplexed connection per node) whose
-//! push messages a background task hands to a [`ReleaseHub`].
+//! The sharded release subscription of a [`RedisClusterBackend`](crate::RedisClusterBackend):
+//! one RESP3 connection per master that serves a slot a waiter needs, whose
+//! push messages one background task reads and hands to a [`ReleaseHub`].
 //!
 //! Releases are published with `SPUBLISH` on one shard channel per hash
-//! slot, which only the node serving the slot delivers. A waiter's watch is
-//! returned once its slot's channel is subscribed (`SSUBSCRIBE`, confirmed).
-//! The server drops sharded subscriptions on its own: it pushes
-//! `SUNSUBSCRIBE` when a slot moves to another node, and a node that dies
-//! takes its subscriptions along (the client pushes a disconnection). Then
-//! the task wakes every watch (a release may have been missed), subscribes
-//! the channel again where the slot now lives (following `MOVED`), and wakes
-//! every watch once more when that is confirmed. When that fails, or a
-//! health-check `PING` of the masters fails, it makes a new connection
-//! (reading the topology afresh), with backoff. Waiters poll on their retry
-//! timer in the meantime, so a missed release costs at most `retry_delay`.
+//! slot, which only the node serving the slot delivers. A waiter's watch
+//! is returned once its slot's channel is subscribed there (the server's
+//! `ssubscribe` confirmation). The task keeps, for each slot a waiter
+//! needs, where its channel is subscribed, and sets that right whenever
+//! something changes (a waiter comes, goes, a node connection is lost or
+//! made, the slot map changes), sending each node **one** request: a
+//! pipeline of one `SSUBSCRIBE` / `SUNSUBSCRIBE` per channel (a command of
+//! several shard channels must keep to one slot). So:
 //!
-//! Requests on this connection go one at a time, one channel each: a
-//! `SUNSUBSCRIBE` pushed by the server looks like the reply to a request in
-//! flight to the `redis` crate, so every reply is checked, and one that is
-//! not the expected answer replaces the connection.
+//! - a channel is unsubscribed (`SUNSUBSCRIBE`) once no waiter needs it,
+//!   at the next check (every second, or sooner);
+//! - after a node connection is lost (the client reports the
+//!   disconnection, or a health-check `PING` fails) the task connects
+//!   again, with backoff, and re-subscribes every channel that node serves
+//!   in one request; then it wakes every watch, since releases may have
+//!   been missed meanwhile, and so it does after the server dropped a
+//!   channel itself (it pushes `sunsubscribe` when a slot moves);
+//! - waiters poll on their retry timer in the meantime, so a missed
+//!   release costs at most `retry_delay`.
+//!
+//! The `redis` crate takes a subscription push (`ssubscribe`,
+//! `sunsubscribe`) for the reply to the request in flight, also one the
+//! server sends on its own; so the task never trusts a reply's place, only
+//! the pushes (every one reaches it, a reply or not), and what a node
+//! connection answers a `PING` within the timeout.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
-use redis::cluster::{ClusterClient, ClusterConfig};
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{PushInfo, PushKind, Value};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, PushInfo, PushKind, Value};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::Instant;
 
-use crate::cluster::{is_broken, map_cluster_error, query_slot, slot_channel};
+use crate::cluster::slot_channel;
+use crate::cluster_nodes::{ClusterNodes, Node};
 use crate::slot::key_slot;
 
-#[derive(Clone)]
-enum State {
-    Connecting,
-    /// The connection of this generation is up.
-    Up(u64, ClusterConnection),
-    Down(BackendError),
-}
+/// How often the task checks for channels no waiter needs any more (and
+/// for reconnections due), at most.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
-struct Shared {
-    client: ClusterClient,
-    prefix: String,
-    hub: ReleaseHub,
-    timeout: Duration,
-    health_check_interval: Duration,
-    max_reconnect_delay: Duration,
-    state: watch::Sender<State>,
-    /// The generation of the connection that is up, 0 when none is.
-    live: AtomicU64,
-    /// Every slot a waiter needed, and whether its channel is subscribed on
-    /// the live connection. Slots are never forgotten: at most 16384.
-    slots: Mutex<HashMap<u16, bool>>,
-    /// One request at a time on the connection.
-    commands: tokio::sync::Mutex<()>,
-    /// A watch found the connection broken: the generation to replace.
-    replace: AtomicU64,
-    kick: Notify,
+/// What the sharded release subscription of a
+/// [`RedisClusterBackend`](crate::RedisClusterBackend) sent, from
+/// [`subscription_stats`](crate::RedisClusterBackend::subscription_stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriptionStats {
+    /// Subscription requests sent: each one write to one node, carrying
+    /// one `SSUBSCRIBE` per channel it subscribes there.
+    pub subscribe_requests: u64,
+    /// Shard channels unsubscribed with `SUNSUBSCRIBE` because no waiter
+    /// needed them any more.
+    pub unsubscribed_channels: u64,
+    /// Shard channels subscribed now.
+    pub subscribed_channels: usize,
 }
 
 pub(crate) struct ShardedSubscription {
     shared: Arc<Shared>,
     /// Taken by the first watch, which starts the task. The task ends when
     /// the sender half (kept here) is dropped with the backend.
-    start: Mutex<Option<oneshot::Receiver<()>>>,
+    start: Mutex<Option<(oneshot::Receiver<()>, mpsc::UnboundedReceiver<Event>)>>,
     _alive: oneshot::Sender<()>,
 }
 
+struct Shared {
+    nodes: ClusterNodes,
+    prefix: String,
+    hub: ReleaseHub,
+    /// One entry per slot some watch needs (keyed by the slot's number):
+    /// each watch holds one on its slot, so a slot is needed while it lives.
+    needed: ReleaseHub,
+    timeout: Duration,
+    health_check_interval: Duration,
+    max_reconnect_delay: Duration,
+    state: Mutex<State>,
+    /// Bumped whenever a channel's state changes, for waiting watches.
+    changed: watch::Sender<u64>,
+    kick: Notify,
+    events: mpsc::UnboundedSender<Event>,
+    subscribe_requests: AtomicU64,
+    unsubscribed: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    channels: HashMap<u16, Channel>,
+    links: HashMap<Node, Link>,
+    /// Counts connections made, so that the events of an old one are told
+    /// from those of its successor.
+    generations: u64,
+}
+
+/// A slot whose channel is wanted or subscribed.
+#[derive(Default)]
+struct Channel {
+    /// The node the channel is subscribed on (confirmed), if any.
+    on: Option<Node>,
+    /// A request on its way: `SSUBSCRIBE` (true) or `SUNSUBSCRIBE` (false),
+    /// to the node named, on the connection of that generation.
+    pending: Option<(Node, u64, bool)>,
+    /// The channel was lost (its node's connection, or the server dropped
+    /// it): once it is back, every watch is woken.
+    lost: bool,
+    /// A node refused to subscribe it (a stale slot map): not again before.
+    not_before: Option<Instant>,
+}
+
+/// The subscription connection to one node.
+struct Link {
+    generation: u64,
+    conn: Option<MultiplexedConnection>,
+    connecting: bool,
+    retry_at: Instant,
+    delay: Duration,
+}
+
+enum Event {
+    Push(Node, u64, PushInfo),
+    Connected(Node, u64, MultiplexedConnection),
+    Failed(Node, u64, BackendError),
+    /// A request's answers: the slots whose command was refused (a
+    /// redirection, a refusal), or the connection broke.
+    Sent(Node, u64, Result<Vec<(u16, bool)>, BackendError>),
+}
+
 impl ShardedSubscription {
-    pub(crate) fn new(client: ClusterClient, config: &crate::RedisConfig) -> Self {
+    pub(crate) fn new(nodes: ClusterNodes, config: &crate::RedisConfig) -> Self {
         let (alive, start) = oneshot::channel();
-        let (state, _) = watch::channel(State::Connecting);
+        let (events, received) = mpsc::unbounded_channel();
+        let (changed, _) = watch::channel(0);
         Self {
             shared: Arc::new(Shared {
-                client,
+                nodes,
                 prefix: config.prefix.clone(),
                 hub: ReleaseHub::new(),
+                needed: ReleaseHub::new(),
                 timeout: config.step_timeout,
                 health_check_interval: config.health_check_interval,
                 max_reconnect_delay: config.max_reconnect_delay,
-                state,
-                live: AtomicU64::new(0),
-                slots: Mutex::new(HashMap::new()),
-                commands: tokio::sync::Mutex::new(()),
-                replace: AtomicU64::new(0),
+                state: Mutex::new(State::default()),
+                changed,
                 kick: Notify::new(),
+                events,
+                subscribe_requests: AtomicU64::new(0),
+                unsubscribed: AtomicU64::new(0),
             }),
-            start: Mutex::new(Some(start)),
+            start: Mutex::new(Some((start, received))),
             _alive: alive,
         }
     }
 
     pub(crate) fn is_subscribed(&self) -> bool {
-        matches!(*self.shared.state.borrow(), State::Up(..))
+        self.shared
+            .state()
+            .channels
+            .values()
+            .any(|c| c.on.is_some())
+    }
+
+    pub(crate) fn stats(&self) -> SubscriptionStats {
+        SubscriptionStats {
+            subscribe_requests: self.shared.subscribe_requests.load(Ordering::Relaxed),
+            unsubscribed_channels: self.shared.unsubscribed.load(Ordering::Relaxed),
+            subscribed_channels: self
+                .shared
+                .state()
+                .channels
+                .values()
+                .filter(|c| c.on.is_some())
+                .count(),
+        }
     }
 
     /// A watch on `key` (without prefix) whose lock key is in `slot`,
     /// returned once the slot's channel is subscribed.
-    pub(crate) async fn watch(&self, key: &str, slot: u16) -> Result<ReleaseWatch, BackendError> {
+    pub(crate) async fn watch(
+        &self,
+        nodes: &ClusterNodes,
+        key: &str,
+        slot: u16,
+    ) -> Result<ReleaseWatch, BackendError> {
+        let deadline = Instant::now() + self.shared.timeout;
+        let timed_out = || BackendError::timeout("subscribing", self.shared.timeout);
+        // The slot map first, so that the task knows where to subscribe.
+        tokio::time::timeout_at(deadline, nodes.map())
+            .await
+            .map_err(|_| timed_out())??;
         // The watch first: a release from now on either reaches it, or is
         // covered by the wake-up of every watch after a resubscription.
         let watch = self.shared.hub.watch(key);
-        self.shared.want(slot);
-        self.start_task();
-        let deadline = Instant::now() + self.shared.timeout;
-        let timed_out = || BackendError::timeout("subscribing", self.shared.timeout);
-        let mut state = self.shared.state.subscribe();
-        let (generation, conn) = {
-            let settled = tokio::time::timeout_at(
-                deadline,
-                state.wait_for(|s| !matches!(s, State::Connecting)),
-            )
-            .await
-            .map_err(|_| timed_out())?
-            .map_err(|_| {
-                BackendError::message(BackendErrorKind::Request, "the subscription task has ended")
-            })?;
-            match &*settled {
-                State::Up(generation, conn) => (*generation, conn.clone()),
-                State::Down(error) => return Err(error.clone()),
-                State::Connecting => return Err(timed_out()),
-            }
+        let (needed, ready) = {
+            let mut state = self.shared.state();
+            let needed = self.shared.needed.watch(&slot.to_string());
+            let channel = state.channels.entry(slot).or_default();
+            (needed, channel.is_ready())
         };
-        tokio::time::timeout_at(deadline, self.shared.subscribe(generation, conn, slot))
-            .await
-            .map_err(|_| timed_out())??;
+        let watch = ReleaseWatch::either(watch, needed);
+        if ready {
+            return Ok(watch);
+        }
+        self.start_task();
+        let mut changed = self.shared.changed.subscribe();
+        self.shared.kick.notify_one();
+        tokio::time::timeout_at(deadline, async {
+            loop {
+                if self
+                    .shared
+                    .state()
+                    .channels
+                    .get(&slot)
+                    .is_some_and(Channel::is_ready)
+                {
+                    return Ok(());
+                }
+                if changed.changed().await.is_err() {
+                    return Err(BackendError::message(
+                        BackendErrorKind::Request,
+                        "the subscription task has ended",
+                    ));
+                }
+            }
+        })
+        .await
+        .map_err(|_| timed_out())??;
         Ok(watch)
     }
 
@@ -139,12 +241,12 @@ impl ShardedSubscription {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(dropped) = start {
+        if let Some((dropped, events)) = start {
             let shared = Arc::clone(&self.shared);
             tokio::spawn(async move {
                 tokio::select! {
                     _ = dropped => {}
-                    () = run(&shared) => {}
+                    () = run(&shared, events) => {}
                 }
                 tracing::debug!("sharded release subscription ended");
             });
@@ -152,110 +254,323 @@ impl ShardedSubscription {
     }
 }
 
+impl Channel {
+    fn is_ready(&self) -> bool {
+        self.on.is_some() && self.pending.is_none()
+    }
+}
+
 impl Shared {
-    fn slots(&self) -> std::sync::MutexGuard<'_, HashMap<u16, bool>> {
-        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn want(&self, slot: u16) {
-        self.slots().entry(slot).or_insert(false);
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Marks every slot as not subscribed.
-    fn forget_all(&self) {
-        for subscribed in self.slots().values_mut() {
-            *subscribed = false;
-        }
-    }
-
-    /// `SSUBSCRIBE` of `slot`'s channel on the connection of `generation`,
-    /// unless it is subscribed already. A broken connection or an answer
-    /// that is not the confirmation asks the task to replace the connection.
-    async fn subscribe(
-        &self,
-        generation: u64,
-        mut conn: ClusterConnection,
-        slot: u16,
-    ) -> Result<(), BackendError> {
-        let _one_at_a_time = self.commands.lock().await;
-        if self.slots().get(&slot) == Some(&true) && self.live.load(Ordering::Acquire) == generation
-        {
-            return Ok(());
-        }
-        let channel = slot_channel(slot, &self.prefix);
-        let mut cmd = redis::cmd("SSUBSCRIBE");
-        cmd.arg(&channel);
-        let answer = query_slot(&mut conn, &cmd, slot).await;
-        let confirmed = match &answer {
-            Ok(Value::Push {
-                kind: PushKind::SSubscribe,
-                data,
-            }) => data
-                .first()
-                .is_some_and(|c| is_bytes(c, channel.as_bytes())),
-            _ => false,
-        };
-        if confirmed {
-            if self.live.load(Ordering::Acquire) == generation {
-                self.slots().insert(slot, true);
+    /// Sets every channel right: what to send to which node, sent (one
+    /// request per node), connections made where missing. Gives when it
+    /// must run again at the latest (a reconnection due).
+    fn reconcile(self: &Arc<Self>) -> Option<Instant> {
+        let map = self.nodes.cached_map();
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let mut requests: HashMap<Node, (u64, Vec<(u16, bool)>)> = HashMap::new();
+        let mut connect: Vec<(Node, u64)> = Vec::new();
+        let mut state = self.state();
+        let State {
+            channels,
+            links,
+            generations,
+        } = &mut *state;
+        channels.retain(|slot, channel| {
+            let wanted = self.needed.is_watched(&slot.to_string());
+            if channel.pending.is_some() {
+                return true;
             }
-            return Ok(());
-        }
-        let error = match answer {
-            Err(e) => map_cluster_error(e),
-            Ok(other) => BackendError::message(
-                BackendErrorKind::Protocol,
-                format!("unexpected answer to SSUBSCRIBE {channel}: {other:?}"),
-            ),
-        };
-        if error.kind() == BackendErrorKind::Protocol || is_broken(&error) {
-            self.replace.store(generation, Ordering::Release);
-            self.kick.notify_one();
-        }
-        Err(error)
-    }
-
-    /// Subscribes every wanted slot that is not subscribed.
-    async fn resubscribe(
-        &self,
-        generation: u64,
-        conn: &ClusterConnection,
-    ) -> Result<(), BackendError> {
-        let pending: Vec<u16> = self
-            .slots()
-            .iter()
-            .filter(|(_, subscribed)| !**subscribed)
-            .map(|(slot, _)| *slot)
+            if let Some(at) = channel.not_before.filter(|at| *at > now) {
+                next = Some(next.map_or(at, |n| n.min(at)));
+                return true;
+            }
+            let target = map.as_ref().and_then(|m| m.master_of(*slot)).cloned();
+            let (node, subscribe) = match (&channel.on, wanted) {
+                (Some(on), true) if Some(on) == target.as_ref() => return true,
+                // Subscribed where the slot no longer is (moved, failed
+                // over): subscribed where it is now, the old one left to
+                // the server, which drops it, or to its lost connection.
+                (_, true) => match target {
+                    Some(target) => (target, true),
+                    None => return true,
+                },
+                (Some(on), false) => (on.clone(), false),
+                (None, false) => return false,
+            };
+            let link = links.entry(node.clone()).or_insert_with(|| Link {
+                generation: 0,
+                conn: None,
+                connecting: false,
+                retry_at: now,
+                delay: Duration::from_millis(50),
+            });
+            if link.conn.is_some() {
+                channel.pending = Some((node.clone(), link.generation, subscribe));
+                requests
+                    .entry(node)
+                    .or_insert_with(|| (link.generation, Vec::new()))
+                    .1
+                    .push((*slot, subscribe));
+            } else if !subscribe {
+                // Its connection is gone, and its subscriptions with it.
+                channel.on = None;
+            } else if !link.connecting {
+                if link.retry_at <= now {
+                    link.connecting = true;
+                    *generations += 1;
+                    link.generation = *generations;
+                    connect.push((node, link.generation));
+                } else {
+                    next = Some(next.map_or(link.retry_at, |n| n.min(link.retry_at)));
+                }
+            }
+            true
+        });
+        let conns: Vec<_> = requests
+            .into_iter()
+            .filter_map(|(node, (generation, ops))| {
+                let conn = links.get(&node)?.conn.clone()?;
+                Some((node, generation, conn, ops))
+            })
             .collect();
-        for slot in pending {
-            tokio::time::timeout(self.timeout, self.subscribe(generation, conn.clone(), slot))
-                .await
-                .map_err(|_| BackendError::timeout("subscribing", self.timeout))??;
+        drop(state);
+        for (node, generation) in connect {
+            tokio::spawn(Arc::clone(self).connect(node, generation));
         }
-        Ok(())
+        for (node, generation, conn, ops) in conns {
+            tokio::spawn(Arc::clone(self).send(node, generation, conn, ops));
+        }
+        next
     }
 
-    /// `PING` to every master, one request at a time.
-    async fn ping(&self, conn: &mut ClusterConnection) -> Result<(), BackendError> {
-        let _one_at_a_time = self.commands.lock().await;
-        let routing = RoutingInfo::MultiNode((
-            MultipleNodeRoutingInfo::AllMasters,
-            Some(ResponsePolicy::AllSucceeded),
-        ));
-        let answer = tokio::time::timeout(
-            self.timeout,
-            conn.route_command(&redis::cmd("PING"), routing),
-        )
-        .await
-        .map_err(|_| BackendError::timeout("pinging the subscription", self.timeout))?
-        .map_err(map_cluster_error)?;
-        match answer {
-            Value::SimpleString(pong) if pong == "PONG" => Ok(()),
-            other => Err(BackendError::message(
-                BackendErrorKind::Protocol,
-                format!("unexpected answer to PING on the subscription: {other:?}"),
-            )),
+    /// A subscription connection to `node`, its pushes sent to the task.
+    async fn connect(self: Arc<Self>, node: Node, generation: u64) {
+        let events = self.events.clone();
+        let from = node.clone();
+        let mut info = self.nodes.info(&node);
+        info.redis.protocol = redis::ProtocolVersion::RESP3;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(self.timeout)
+            .set_response_timeout(self.timeout)
+            .set_push_sender(move |push: PushInfo| {
+                events.send(Event::Push(from.clone(), generation, push))
+            });
+        let made = async {
+            let client = redis::Client::open(info).map_err(BackendError::unavailable)?;
+            match tokio::time::timeout(
+                self.timeout,
+                client.get_multiplexed_async_connection_with_config(&config),
+            )
+            .await
+            {
+                Ok(Ok(conn)) => Ok(conn),
+                Ok(Err(error)) => Err(crate::config::connection_error(error)),
+                Err(_) => Err(BackendError::timeout("subscribing", self.timeout)),
+            }
+        };
+        let event = match made.await {
+            Ok(conn) => Event::Connected(node, generation, conn),
+            Err(error) => Event::Failed(node, generation, error),
+        };
+        let _ = self.events.send(event);
+    }
+
+    /// One request to `node`: `ops` as one pipeline.
+    async fn send(
+        self: Arc<Self>,
+        node: Node,
+        generation: u64,
+        mut conn: MultiplexedConnection,
+        ops: Vec<(u16, bool)>,
+    ) {
+        let mut pipe = redis::Pipeline::with_capacity(ops.len());
+        let mut subscribes = 0;
+        for (slot, subscribe) in &ops {
+            let channel = slot_channel(*slot, &self.prefix);
+            if *subscribe {
+                subscribes += 1;
+                pipe.cmd("SSUBSCRIBE").arg(channel);
+            } else {
+                self.unsubscribed.fetch_add(1, Ordering::Relaxed);
+                pipe.cmd("SUNSUBSCRIBE").arg(channel);
+            }
         }
+        if subscribes > 0 {
+            self.subscribe_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        let answer =
+            tokio::time::timeout(self.timeout, conn.send_packed_commands(&pipe, 0, ops.len()))
+                .await;
+        let result = match answer {
+            Ok(Ok(values)) => Ok(ops
+                .iter()
+                .zip(values)
+                .filter(|(_, value)| matches!(value, Value::ServerError(_)))
+                .map(|(op, _)| *op)
+                .collect()),
+            Ok(Err(error)) => Err(crate::cluster_nodes::map_node_error(error)),
+            Err(_) => Err(BackendError::timeout("subscribing", self.timeout)),
+        };
+        let _ = self.events.send(Event::Sent(node, generation, result));
+    }
+
+    /// `PING` on every subscription connection; one that does not answer in
+    /// time is lost.
+    fn ping_all(self: &Arc<Self>) {
+        let links: Vec<(Node, u64, MultiplexedConnection)> = self
+            .state()
+            .links
+            .iter()
+            .filter_map(|(node, link)| Some((node.clone(), link.generation, link.conn.clone()?)))
+            .collect();
+        for (node, generation, mut conn) in links {
+            let shared = Arc::clone(self);
+            tokio::spawn(async move {
+                let answer = tokio::time::timeout(
+                    shared.timeout,
+                    redis::cmd("PING").query_async::<Value>(&mut conn),
+                )
+                .await;
+                if !matches!(answer, Ok(Ok(_))) {
+                    let _ = shared.events.send(Event::Failed(
+                        node,
+                        generation,
+                        BackendError::timeout("pinging the subscription", shared.timeout),
+                    ));
+                }
+            });
+        }
+    }
+
+    /// Handles one event; gives whether every watch must be woken (a
+    /// release may have been missed).
+    fn handle(&self, event: Event) -> bool {
+        let mut wake = false;
+        let mut state = self.state();
+        let current = |state: &State, node: &Node, generation: u64| {
+            state
+                .links
+                .get(node)
+                .is_some_and(|l| l.generation == generation)
+        };
+        match event {
+            Event::Push(node, generation, push) => {
+                if !current(&state, &node, generation) {
+                    return false;
+                }
+                match push.kind {
+                    PushKind::SMessage => {
+                        drop(state);
+                        self.deliver(&push.data);
+                        return false;
+                    }
+                    PushKind::SSubscribe => {
+                        if let Some(channel) = self.channel_of(&mut state, &push.data) {
+                            channel.on = Some(node.clone());
+                            if channel
+                                .pending
+                                .as_ref()
+                                .is_some_and(|(n, g, sub)| *n == node && *g == generation && *sub)
+                            {
+                                channel.pending = None;
+                            }
+                            wake = std::mem::take(&mut channel.lost);
+                        }
+                    }
+                    PushKind::SUnsubscribe => {
+                        if let Some(channel) = self.channel_of(&mut state, &push.data) {
+                            let was_on = channel.on.as_ref() == Some(&node);
+                            if was_on {
+                                channel.on = None;
+                            }
+                            match &channel.pending {
+                                Some((n, g, false)) if *n == node && *g == generation => {
+                                    channel.pending = None;
+                                }
+                                _ if !was_on => {}
+                                _ => {
+                                    // Dropped by the server: the slot moved.
+                                    tracing::debug!("a shard channel was unsubscribed by the server (slot moved)");
+                                    channel.lost = true;
+                                    wake = true;
+                                    self.nodes.refresh();
+                                }
+                            }
+                        }
+                    }
+                    PushKind::Disconnection => {
+                        wake = lose(&mut state, &node, self.max_reconnect_delay);
+                    }
+                    _ => {}
+                }
+            }
+            Event::Connected(node, generation, conn) => {
+                if let Some(link) = state
+                    .links
+                    .get_mut(&node)
+                    .filter(|l| l.generation == generation)
+                {
+                    link.conn = Some(conn);
+                    link.connecting = false;
+                    link.delay = Duration::from_millis(50);
+                    tracing::debug!(?node, "sharded release subscription connected");
+                }
+            }
+            Event::Failed(node, generation, error) => {
+                if current(&state, &node, generation) {
+                    tracing::debug!(?node, %error, "sharded release subscription connection lost; reconnecting");
+                    wake = lose(&mut state, &node, self.max_reconnect_delay);
+                    self.nodes.refresh();
+                }
+            }
+            Event::Sent(node, generation, result) => {
+                if !current(&state, &node, generation) {
+                    return false;
+                }
+                match result {
+                    Ok(refused) => {
+                        let again = Instant::now() + Duration::from_millis(200);
+                        for (slot, subscribe) in &refused {
+                            if let Some(channel) = state.channels.get_mut(slot) {
+                                if channel.pending == Some((node.clone(), generation, *subscribe)) {
+                                    channel.pending = None;
+                                    // Refused (a stale slot map, mostly):
+                                    // not again before the map is read anew.
+                                    channel.not_before = Some(again);
+                                }
+                            }
+                        }
+                        if !refused.is_empty() {
+                            self.nodes.refresh();
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(?node, %error, "sharded release subscription request failed; reconnecting");
+                        wake = lose(&mut state, &node, self.max_reconnect_delay);
+                    }
+                }
+            }
+        }
+        drop(state);
+        self.bump();
+        wake
+    }
+
+    fn channel_of<'s>(&self, state: &'s mut State, data: &[Value]) -> Option<&'s mut Channel> {
+        let Some(Value::BulkString(channel)) = data.first() else {
+            return None;
+        };
+        let channel = std::str::from_utf8(channel).ok()?;
+        state.channels.get_mut(&key_slot(channel))
     }
 
     /// Hands a published release to the hub.
@@ -272,158 +587,68 @@ impl Shared {
             Err(_) => tracing::trace!("release message is not UTF-8; ignored"),
         }
     }
+}
 
-    /// A `SUNSUBSCRIBE` the server pushed: the slot of the channel moved.
-    /// Gives whether it was a slot a waiter needs.
-    fn dropped(&self, data: &[Value]) -> bool {
-        let Some(Value::BulkString(channel)) = data.first() else {
-            return false;
-        };
-        let Ok(channel) = std::str::from_utf8(channel) else {
-            return false;
-        };
-        let slot = key_slot(channel);
-        match self.slots().get_mut(&slot) {
-            Some(subscribed) => {
-                *subscribed = false;
-                true
-            }
-            None => false,
+/// The connection to `node` is gone, and its subscriptions with it: its
+/// channels are to be subscribed again, the connection made again after a
+/// backoff. Gives whether a channel was lost.
+fn lose(state: &mut State, node: &Node, max_delay: Duration) -> bool {
+    let mut lost = false;
+    for channel in state.channels.values_mut() {
+        let here = channel.on.as_ref() == Some(node)
+            || channel.pending.as_ref().is_some_and(|(n, ..)| n == node);
+        if here {
+            lost |= channel.on.is_some();
+            channel.lost |= channel.on.is_some();
+            channel.on = None;
+            channel.pending = None;
         }
     }
-}
-
-fn is_bytes(value: &Value, expected: &[u8]) -> bool {
-    match value {
-        Value::BulkString(bytes) => bytes == expected,
-        Value::SimpleString(text) => text.as_bytes() == expected,
-        _ => false,
-    }
-}
-
-async fn connect(
-    shared: &Shared,
-) -> Result<(ClusterConnection, mpsc::UnboundedReceiver<PushInfo>), BackendError> {
-    let (pushes, received) = mpsc::unbounded_channel();
-    let config = ClusterConfig::new()
-        .set_connection_timeout(shared.timeout)
-        .set_response_timeout(shared.timeout)
-        .set_push_sender(pushes);
-    let conn = tokio::time::timeout(
-        shared.timeout,
-        shared.client.get_async_connection_with_config(config),
-    )
-    .await
-    .map_err(|_| BackendError::timeout("subscribing", shared.timeout))?
-    .map_err(BackendError::unavailable)?;
-    Ok((conn, received))
-}
-
-async fn run(shared: &Shared) {
-    let first_delay = Duration::from_millis(50);
-    let mut delay = first_delay;
-    let mut generation = 0;
-    let mut first = true;
-    loop {
-        let attempt = async {
-            let (conn, pushes) = connect(shared).await?;
-            generation += 1;
-            shared.forget_all();
-            shared.live.store(generation, Ordering::Release);
-            shared
-                .state
-                .send_replace(State::Up(generation, conn.clone()));
-            shared.resubscribe(generation, &conn).await?;
-            Ok::<_, BackendError>((conn, pushes))
-        };
-        match attempt.await {
-            Ok((conn, pushes)) => {
-                delay = first_delay;
-                if !first {
-                    // Releases may have been missed while not subscribed.
-                    shared.hub.notify_all();
-                }
-                first = false;
-                tracing::debug!(generation, "sharded release subscription in place");
-                let why = listen(shared, generation, conn, pushes).await;
-                tracing::debug!(error = %why, "sharded release subscription lost; reconnecting");
-                shared.live.store(0, Ordering::Release);
-                shared.forget_all();
-                shared.state.send_replace(State::Down(why));
-                shared.hub.notify_all();
-            }
-            Err(error) => {
-                tracing::debug!(%error, ?delay, "sharded release subscription failed; retrying");
-                shared.live.store(0, Ordering::Release);
-                shared.forget_all();
-                shared.state.send_replace(State::Down(error));
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(shared.max_reconnect_delay);
-            }
+    if let Some(link) = state.links.get_mut(node) {
+        if link.conn.take().is_some() {
+            // Lost after it worked: try again at once, then back off.
+            link.retry_at = Instant::now();
+        } else {
+            link.retry_at = Instant::now() + link.delay;
+            link.delay = (link.delay * 2).min(max_delay);
         }
+        link.connecting = false;
+        // Events of the lost connection are ignored from now on.
+        link.generation = 0;
     }
+    lost
 }
 
-/// Dispatches push messages until the connection must be replaced, and
-/// says why.
-async fn listen(
-    shared: &Shared,
-    generation: u64,
-    mut conn: ClusterConnection,
-    mut pushes: mpsc::UnboundedReceiver<PushInfo>,
-) -> BackendError {
+async fn run(shared: &Arc<Shared>, mut events: mpsc::UnboundedReceiver<Event>) {
+    let mut sweep = tokio::time::interval(SWEEP_INTERVAL.min(shared.health_check_interval));
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut health = tokio::time::interval(shared.health_check_interval);
     health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     health.tick().await;
-    // When to subscribe again the slots the server dropped.
-    let mut again: Option<Instant> = None;
+    let mut maps = shared.nodes.map_changes();
+    let mut due: Option<Instant> = None;
     loop {
-        let resubscribe_at = again.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        let wake_at = due.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        let mut wake = false;
         tokio::select! {
-            push = pushes.recv() => {
-                let Some(push) = push else {
-                    return BackendError::message(
-                        BackendErrorKind::Request,
-                        "the subscription connection closed",
-                    );
-                };
-                match push.kind {
-                    PushKind::SMessage => shared.deliver(&push.data),
-                    PushKind::SUnsubscribe if shared.dropped(&push.data) => {
-                        tracing::debug!("a shard channel was unsubscribed by the server (slot moved)");
-                        shared.hub.notify_all();
-                        again = Some(Instant::now());
-                    }
-                    PushKind::Disconnection => {
-                        // A node connection closed: its subscriptions are gone.
-                        shared.forget_all();
-                        shared.hub.notify_all();
-                        again = Some(Instant::now());
-                    }
-                    _ => {}
+            event = events.recv() => {
+                let Some(event) = event else { return };
+                wake |= shared.handle(event);
+                // Everything that arrived meanwhile, then one reconcile.
+                while let Ok(event) = events.try_recv() {
+                    wake |= shared.handle(event);
                 }
             }
-            _ = health.tick() => {
-                if let Err(error) = shared.ping(&mut conn).await {
-                    return error;
-                }
-            }
-            () = tokio::time::sleep_until(resubscribe_at), if again.is_some() => {
-                again = None;
-                if let Err(error) = shared.resubscribe(generation, &conn).await {
-                    return error;
-                }
-                // Releases made before the new subscription were missed.
-                shared.hub.notify_all();
-            }
-            () = shared.kick.notified() => {
-                if shared.replace.load(Ordering::Acquire) == generation {
-                    return BackendError::message(
-                        BackendErrorKind::Protocol,
-                        "the subscription connection gave an unexpected answer",
-                    );
-                }
-            }
+            () = shared.kick.notified() => {}
+            _ = sweep.tick() => {}
+            _ = health.tick() => shared.ping_all(),
+            _ = maps.changed() => {}
+            () = tokio::time::sleep_until(wake_at), if due.is_some() => {}
         }
+        if wake {
+            // Releases may have been missed while a channel was lost.
+            shared.hub.notify_all();
+        }
+        due = shared.reconcile();
     }
 }

@@ -5,7 +5,9 @@ mod backend;
 mod batch;
 mod cluster;
 mod cluster_admin;
+mod cluster_batch;
 mod cluster_check;
+mod cluster_nodes;
 mod cluster_subscription;
 mod config;
 mod durability;
@@ -18,6 +20,7 @@ mod tls;
 
 pub use backend::{RedisBackend, CHANNEL};
 pub use cluster::RedisClusterBackend;
+pub use cluster_subscription::SubscriptionStats;
 pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
 pub use durability::Durability;

@@ -15,7 +15,7 @@ use lock_core::{
 };
 use lock_redis::slot::key_slot;
 use lock_redis::testing::{shared_cluster, RedisServer, ScratchClusterBackend};
-use lock_redis::{RedisClusterBackend, RedisConfig, SetupError};
+use lock_redis::{Durability, RedisClusterBackend, RedisConfig, SetupError};
 
 const LIMIT: Duration = Duration::from_secs(20);
 const TTL: Duration = Duration::from_secs(30);
@@ -377,4 +377,92 @@ async fn h4_companions_expire_after_the_idle_period_never_while_held() {
             lease.key()
         );
     }
+}
+
+/// `durability` on the cluster (one replica per master): with 1, each
+/// acquisition is followed by `WAIT` on the connection of the key's
+/// master, so the replica of that master has the lock as soon as the
+/// acquisition answers, on every master; with 2 (more replicas than any
+/// master has) every attempt fails with an error saying how many
+/// acknowledged, and leaves nothing held; `connect` refuses it up front.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durability_waits_for_the_replicas_of_the_key_s_master() {
+    let cluster = shared_cluster();
+    let timeout = Duration::from_millis(300);
+    let one = ScratchClusterBackend::new(
+        &cluster.urls(),
+        RedisConfig::default().durability(Durability::new(1, Duration::from_secs(2))),
+    );
+    let mut masters = HashSet::new();
+    for i in 0..24 {
+        let key = format!("durable:{i}");
+        let owner = OwnerToken::new("durable");
+        let outcome = one.try_acquire(&key, &owner, TTL).await.unwrap();
+        assert!(
+            matches!(outcome, AcquireOutcome::Acquired { .. }),
+            "{key}: {outcome:?}"
+        );
+        let lock_key = one.lock_key(&key);
+        let slot = key_slot(&lock_key);
+        let master = cluster.master_port_of_slot(slot).unwrap();
+        masters.insert(master);
+        let replicas = cluster.replica_ports_of(master).unwrap();
+        assert_eq!(replicas.len(), 1, "{key}: one replica");
+        let replica = cluster.node(replicas[0]).unwrap();
+        let mut conn = redis::Client::open(replica.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let _: () = redis::cmd("READONLY").query(&mut conn).unwrap();
+        let on_replica: Option<String> = redis::cmd("GET").arg(&lock_key).query(&mut conn).unwrap();
+        assert_eq!(
+            on_replica.as_deref(),
+            Some(owner.as_str()),
+            "{key}: the replica has the lock once the acquisition answered"
+        );
+    }
+    assert_eq!(masters.len(), 3, "keys on every master: {masters:?}");
+
+    let two = ScratchClusterBackend::new(
+        &cluster.urls(),
+        RedisConfig::default().durability(Durability::new(2, timeout)),
+    );
+    for i in 0..6 {
+        let key = format!("too-durable:{i}");
+        let started = Instant::now();
+        let error = two
+            .try_acquire(&key, &OwnerToken::new("durable"), TTL)
+            .await
+            .expect_err("two replicas never acknowledge");
+        let message = format!("{error:?}");
+        assert!(
+            message.contains("reached 1 of the 2 replica(s)") && message.contains("released"),
+            "{key}: {message}"
+        );
+        assert!(started.elapsed() >= timeout, "WAIT waited");
+        let lock_key = two.lock_key(&key);
+        let mut conn = redis::Client::open(cluster.master_of_key(&lock_key).unwrap().url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let held: Option<String> = redis::cmd("GET").arg(&lock_key).query(&mut conn).unwrap();
+        assert_eq!(held, None, "{key}: nothing is left held");
+    }
+
+    let refused = RedisClusterBackend::connect_with(
+        cluster.urls(),
+        RedisConfig::default().durability(Durability::new(2, timeout)),
+    )
+    .await
+    .expect_err("no master has two replicas");
+    assert!(
+        matches!(
+            refused,
+            SetupError::NotEnoughReplicas {
+                wanted: 2,
+                available: 1
+            }
+        ),
+        "{refused:?}"
+    );
 }

@@ -158,6 +158,30 @@ impl RedisCluster {
         Err(io::Error::other(format!("slot {slot} is not served")))
     }
 
+    /// The ports of the running replicas of the master on `master_port`,
+    /// as each node's `ROLE` says (`CLUSTER SLOTS` leaves out replicas
+    /// that have not synced yet).
+    ///
+    /// # Errors
+    ///
+    /// When a running node cannot be reached.
+    pub fn replica_ports_of(&self, master_port: u16) -> io::Result<Vec<u16>> {
+        let mut replicas = Vec::new();
+        for node in self.nodes.iter().filter(|n| n.pid().is_some()) {
+            let role: Vec<redis::Value> = node
+                .connection()
+                .and_then(|mut c| redis::cmd("ROLE").query(&mut c))
+                .map_err(io::Error::other)?;
+            let is_replica =
+                matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"slave");
+            let of: Option<u16> = role.get(2).and_then(|p| redis::from_redis_value(p).ok());
+            if is_replica && of == Some(master_port) {
+                replicas.push(node.port());
+            }
+        }
+        Ok(replicas)
+    }
+
     /// The master serving the slot of `key`.
     ///
     /// # Errors
