@@ -321,6 +321,18 @@ pub struct Capabilities {
     ///
     /// Default: `1`.
     pub max_extend_batch: usize,
+    /// The shortest ttl the store grants: the driver asks for at least
+    /// this much, and counts validity and schedules extensions on what it
+    /// asked for (see [`effective_ttl`](Self::effective_ttl)).
+    ///
+    /// Default: zero (any ttl the config accepts).
+    pub min_ttl: Duration,
+    /// The unit in which the store counts ttls (etcd's leases are whole
+    /// seconds): the driver rounds every ttl up to a multiple of it, so a
+    /// lock is never shorter than its config says.
+    ///
+    /// Default: zero (no rounding).
+    pub ttl_granularity: Duration,
 }
 
 impl Default for Capabilities {
@@ -330,6 +342,8 @@ impl Default for Capabilities {
             release_notifications: false,
             max_key_len: MAX_KEY_LEN,
             max_extend_batch: 1,
+            min_ttl: Duration::ZERO,
+            ttl_granularity: Duration::ZERO,
         }
     }
 }
@@ -361,6 +375,53 @@ impl Capabilities {
     pub fn with_max_extend_batch(mut self, n: usize) -> Self {
         self.max_extend_batch = n.max(1);
         self
+    }
+
+    /// Sets [`Capabilities::min_ttl`]. Defaults to zero.
+    #[must_use]
+    pub fn with_min_ttl(mut self, ttl: Duration) -> Self {
+        self.min_ttl = ttl;
+        self
+    }
+
+    /// Sets [`Capabilities::ttl_granularity`]. Defaults to zero.
+    #[must_use]
+    pub fn with_ttl_granularity(mut self, unit: Duration) -> Self {
+        self.ttl_granularity = unit;
+        self
+    }
+
+    /// The ttl the driver asks this store for when a config says `ttl`: at
+    /// least [`min_ttl`](Self::min_ttl), rounded up to a multiple of
+    /// [`ttl_granularity`](Self::ttl_granularity). Every step of the lock
+    /// (acquisition, extensions, the validity the driver counts, the
+    /// schedule of extensions) uses it, and [`LockHandle::ttl`] reports it.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use lock_core::Capabilities;
+    /// let whole_seconds = Capabilities::default()
+    ///     .with_min_ttl(Duration::from_secs(2))
+    ///     .with_ttl_granularity(Duration::from_secs(1));
+    /// assert_eq!(whole_seconds.effective_ttl(Duration::from_millis(500)), Duration::from_secs(2));
+    /// assert_eq!(whole_seconds.effective_ttl(Duration::from_millis(2_100)), Duration::from_secs(3));
+    /// assert_eq!(Capabilities::default().effective_ttl(Duration::from_millis(500)), Duration::from_millis(500));
+    /// ```
+    ///
+    /// [`LockHandle::ttl`]: crate::LockHandle::ttl
+    pub fn effective_ttl(&self, ttl: Duration) -> Duration {
+        let ttl = ttl.max(self.min_ttl);
+        let unit = self.ttl_granularity.as_nanos();
+        if unit == 0 {
+            return ttl;
+        }
+        let rounded = ttl.as_nanos().div_ceil(unit).saturating_mul(unit);
+        u64::try_from(rounded).map_or(Duration::MAX, Duration::from_nanos)
+    }
+
+    /// Whether [`effective_ttl`](Self::effective_ttl) may change a ttl.
+    pub(crate) fn adjusts_ttls(&self) -> bool {
+        !self.min_ttl.is_zero() || !self.ttl_granularity.is_zero()
     }
 }
 

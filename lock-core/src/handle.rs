@@ -47,12 +47,13 @@ impl Locker {
     ///
     /// [`LockError::InvalidInput`] for a bad key or ttl; nothing is touched.
     pub fn handle(&self, key: &str, ttl: Duration) -> Result<LockHandle, LockError> {
-        validate_key(key, self.backend().capabilities().max_key_len)?;
+        let caps = self.backend().capabilities();
+        validate_key(key, caps.max_key_len)?;
         validate_ttl(ttl)?;
         Ok(LockHandle {
             locker: self.clone(),
             key: key.into(),
-            ttl,
+            ttl: caps.effective_ttl(ttl),
             held: None,
         })
     }
@@ -199,7 +200,10 @@ impl LockHandle {
         &self.key
     }
 
-    /// The ttl of every acquisition and renewal.
+    /// The ttl of every acquisition and renewal: the one asked for, as the
+    /// store grants it ([`Capabilities::effective_ttl`]).
+    ///
+    /// [`Capabilities::effective_ttl`]: crate::Capabilities::effective_ttl
     pub fn ttl(&self) -> Duration {
         self.ttl
     }

@@ -258,6 +258,18 @@ impl Locker {
         if self.inner.shutdown.is_started() {
             return never().await;
         }
+        // A store that grants ttls only in its own units is asked for, and
+        // counted on, the ttl it grants.
+        let effective;
+        let config = if self.inner.caps.adjusts_ttls() {
+            effective = LockConfig {
+                ttl: self.inner.caps.effective_ttl(config.ttl),
+                ..*config
+            };
+            &effective
+        } else {
+            config
+        };
         let lock = self.acquire(key, config).await?;
         let ctx = LockContext {
             held: Arc::clone(&lock.held),

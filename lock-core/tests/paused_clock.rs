@@ -101,3 +101,99 @@ async fn p4_many_held_locks_are_extended_in_batches() {
     );
     assert_eq!(a.held(), 0);
 }
+
+/// A store whose ttls are whole seconds of at least 2 s (as etcd's leases),
+/// recording every ttl the driver asks it for.
+#[derive(Debug, Clone)]
+struct WholeSeconds {
+    inner: MemoryBackend,
+    asked: std::sync::Arc<std::sync::Mutex<Vec<Duration>>>,
+}
+
+impl WholeSeconds {
+    fn asked(&self, ttl: Duration) {
+        self.asked.lock().unwrap().push(ttl);
+    }
+}
+
+#[async_trait::async_trait]
+impl lock_core::LockBackend for WholeSeconds {
+    fn capabilities(&self) -> lock_core::Capabilities {
+        self.inner
+            .capabilities()
+            .with_min_ttl(Duration::from_secs(2))
+            .with_ttl_granularity(Duration::from_secs(1))
+    }
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &lock_core::OwnerToken,
+        ttl: Duration,
+    ) -> Result<lock_core::AcquireOutcome, lock_core::BackendError> {
+        self.asked(ttl);
+        self.inner.try_acquire(key, owner, ttl).await
+    }
+    async fn extend(
+        &self,
+        lease: &lock_core::Lease,
+        ttl: Duration,
+    ) -> Result<lock_core::ExtendOutcome, lock_core::BackendError> {
+        self.asked(ttl);
+        self.inner.extend(lease, ttl).await
+    }
+    async fn extend_many(
+        &self,
+        requests: &[lock_core::ExtendRequest],
+    ) -> Vec<Result<lock_core::ExtendOutcome, lock_core::BackendError>> {
+        for request in requests {
+            self.asked(request.ttl);
+        }
+        self.inner.extend_many(requests).await
+    }
+    fn failure_domain(&self, key: &str) -> u64 {
+        self.inner.failure_domain(key)
+    }
+    async fn release(
+        &self,
+        lease: &lock_core::Lease,
+    ) -> Result<lock_core::ReleaseOutcome, lock_core::BackendError> {
+        self.inner.release(lease).await
+    }
+    async fn watch_release(
+        &self,
+        key: &str,
+    ) -> Result<lock_core::ReleaseWatch, lock_core::BackendError> {
+        self.inner.watch_release(key).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_with_whole_second_ttls_is_asked_and_counted_on_what_it_grants() {
+    let backend = WholeSeconds {
+        inner: MemoryBackend::new(),
+        asked: Default::default(),
+    };
+    let a = node(backend.clone(), "a");
+    // Asked for 500 ms, the store grants 2 s: the driver asks for 2 s at
+    // every step and extends every third of 2 s, not of 500 ms.
+    let cfg = LockConfig::default().ttl(Duration::from_millis(500));
+    let lost = a
+        .with_lock_config("whole", &cfg, |ctx| async move {
+            tokio::time::sleep(Duration::from_millis(3_000)).await;
+            ctx.is_lost()
+        })
+        .await
+        .unwrap();
+    assert!(!lost);
+    let asked = backend.asked.lock().unwrap().clone();
+    assert!(asked.len() >= 2, "an acquisition and extensions: {asked:?}");
+    assert!(
+        asked.iter().all(|ttl| *ttl == Duration::from_secs(2)),
+        "every step asks for the granted 2 s: {asked:?}"
+    );
+    // Extensions every third of 2 s over 3 s: about four, not the 18 a
+    // schedule on 500 ms would send.
+    assert!(asked.len() <= 7, "{} steps: {asked:?}", asked.len());
+    let handle = a.handle("whole", Duration::from_millis(2_100)).unwrap();
+    assert_eq!(handle.ttl(), Duration::from_secs(3));
+}
