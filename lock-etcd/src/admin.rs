@@ -3,12 +3,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn};
 use lock_core::{async_trait, AdminError, BackendError, LockAdmin, LockInfo, OwnerToken};
 
-use crate::backend::EtcdBackend;
+use crate::backend::{release_ops, EtcdBackend};
 use crate::error::step_error;
-use crate::layout::{contender_range, is_contender, name_of_key};
+use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECORDS};
 
 /// Lists, inspects and force-releases locks in etcd's `Mutex` layout.
 ///
@@ -17,7 +17,10 @@ use crate::layout::{contender_range, is_contender, name_of_key};
 ///   another client of the layout (`etcdctl lock`, Go's
 ///   `concurrency.Mutex`, whose value is empty) shows as `<etcd mutex>`.
 /// - `inspect`: one name's holder, its lease's remaining ttl and its
-///   create revision as the fencing token.
+///   create revision as the fencing token; for a free name, the token of
+///   the last lock a withlock release or force release freed (a record
+///   beside the layout; a lock that expired, or that another client
+///   released, leaves none).
 /// - `force_release`: deletes the holder's key (if it has not changed
 ///   since it was read) and revokes its lease, only when its value is a
 ///   withlock owner token \[D2\]: a holder of another client is refused.
@@ -38,6 +41,9 @@ impl LockAdmin for EtcdBackend {
             .map_err(step_error)?;
         let mut holders: BTreeMap<String, KeyValue> = BTreeMap::new();
         for kv in read.kvs() {
+            if kv.key().starts_with(RECORDS.as_bytes()) {
+                continue;
+            }
             let Some(name) = name_of_key(kv.key()) else {
                 continue;
             };
@@ -61,7 +67,20 @@ impl LockAdmin for EtcdBackend {
     async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         match self.holder(key).await? {
             Some(kv) => self.info(key.to_owned(), &kv).await,
-            None => Ok(LockInfo::free(key)),
+            None => {
+                let record = self
+                    .client()
+                    .kv_client()
+                    .get(record_key(key), None)
+                    .await
+                    .map_err(step_error)?;
+                let token = record
+                    .kvs()
+                    .first()
+                    .and_then(|kv| std::str::from_utf8(kv.value()).ok())
+                    .and_then(|text| text.parse().ok());
+                Ok(LockInfo::free(key).with_fencing_token(token))
+            }
         }
     }
 
@@ -87,7 +106,11 @@ impl LockAdmin for EtcdBackend {
                     CompareOp::Equal,
                     kv.mod_revision(),
                 )])
-                .and_then(vec![TxnOp::delete(kv.key(), None)]);
+                .and_then(release_ops(
+                    key,
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    u64::try_from(kv.create_revision()).unwrap_or(0),
+                ));
             let answer = self
                 .client()
                 .kv_client()

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget,
-    Txn, TxnOp, TxnOpResponse,
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp, TxnOpResponse,
 };
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
@@ -19,7 +19,7 @@ use lock_core::{
 use crate::config::EtcdConfig;
 use crate::error::{is_refusal, protocol, step_error, SetupError};
 use crate::keepalive::KeepAlives;
-use crate::layout::{contender_key, contender_range, is_contender};
+use crate::layout::{contender_key, contender_range, is_contender, record_key};
 use crate::watch::Watches;
 
 /// How many leases one [`LockBackend::extend_many`] call carries: its
@@ -244,17 +244,24 @@ impl EtcdBackend {
         &self,
         requests: &[ExtendRequest],
     ) -> Result<Vec<Result<ExtendOutcome, BackendError>>, BackendError> {
-        let mut leases = Vec::with_capacity(requests.len());
-        for request in requests {
-            leases.push(
-                self.lease_of(request.lease.key(), request.lease.owner())
-                    .await?,
-            );
-        }
-        // Every keep-alive first, then one read of every key: a key found
-        // on its lease after the lease's keep-alive was answered was held
-        // when the lease got its ttl again.
-        let alive = futures_util::future::join_all(leases.iter().map(|lease| async move {
+        let remembered: Vec<Option<i64>> = {
+            let leases = self.leases();
+            requests
+                .iter()
+                .map(|r| {
+                    let id = (
+                        r.lease.key().to_owned(),
+                        r.lease.owner().as_str().to_owned(),
+                    );
+                    leases.get(&id).copied()
+                })
+                .collect()
+        };
+        // Every keep-alive first, then one read of every name's
+        // contenders: a key found on its lease after the lease's
+        // keep-alive was answered was held when the lease got its ttl
+        // again.
+        let alive = futures_util::future::join_all(remembered.iter().map(|lease| async move {
             match lease {
                 Some(lease) => Some(self.inner.keep_alives.keep_alive(*lease).await),
                 None => None,
@@ -263,51 +270,75 @@ impl EtcdBackend {
         .await;
         let reads: Vec<TxnOp> = requests
             .iter()
-            .zip(&leases)
-            .filter_map(|(request, lease)| {
-                lease.map(|lease| TxnOp::get(contender_key(request.lease.key(), lease), None))
+            .map(|request| {
+                let (start, end) = contender_range(request.lease.key());
+                TxnOp::get(start, Some(GetOptions::new().with_range(end)))
             })
             .collect();
-        let mut found = if reads.is_empty() {
-            Vec::new()
-        } else {
-            let answer = self
-                .inner
-                .client
-                .kv_client()
-                .txn(Txn::new().and_then(reads))
-                .await
-                .map_err(step_error)?;
-            answer.op_responses()
+        let answer = self
+            .inner
+            .client
+            .kv_client()
+            .txn(Txn::new().and_then(reads))
+            .await
+            .map_err(step_error)?;
+        let found = answer.op_responses();
+        if found.len() != requests.len() {
+            return Err(protocol(
+                "an extension read answered another count of ranges",
+            ));
         }
-        .into_iter();
         let mut outcomes = Vec::with_capacity(requests.len());
-        for ((request, lease), alive) in requests.iter().zip(&leases).zip(alive) {
-            let (Some(lease), Some(alive)) = (lease, alive) else {
-                outcomes.push(Ok(ExtendOutcome::Expired));
-                continue;
+        for (((request, lease), alive), read) in
+            requests.iter().zip(&remembered).zip(alive).zip(found)
+        {
+            let TxnOpResponse::Get(read) = read else {
+                return Err(protocol("an extension read answered no range"));
             };
-            let kv = match found.next() {
-                Some(TxnOpResponse::Get(read)) => read.kvs().first().cloned(),
-                _ => return Err(protocol("an extension read answered no range")),
-            };
-            let outcome = match (kv, alive) {
-                (None, _) => Ok(ExtendOutcome::Expired),
-                (Some(kv), _)
-                    if kv.value() != request.lease.owner().as_str().as_bytes()
-                        || kv.lease() != *lease =>
-                {
-                    Ok(ExtendOutcome::Taken)
-                }
-                (Some(_), Ok(true)) => Ok(ExtendOutcome::Extended),
-                // The lease ran out between its keep-alive and the read.
-                (Some(_), Ok(false)) => Ok(ExtendOutcome::Expired),
-                (Some(_), Err(error)) => Err(error),
+            let name = request.lease.key();
+            let owner = request.lease.owner().as_str().as_bytes();
+            let contenders = || read.kvs().iter().filter(|kv| is_contender(name, kv.key()));
+            let mine = contenders().find(|kv| kv.value() == owner);
+            let outcome = match (mine, lease, alive) {
+                // Held on the lease it was granted, kept alive.
+                (Some(kv), Some(lease), Some(alive)) if kv.lease() == *lease => match alive {
+                    Ok(true) => Ok(ExtendOutcome::Extended),
+                    // The lease ran out between its keep-alive and the read.
+                    Ok(false) => Ok(ExtendOutcome::Expired),
+                    Err(error) => Err(error),
+                },
+                // Not remembered (an acquisition of another backend, an
+                // entry already forgotten): kept alive now.
+                (Some(kv), None, _) => match self.inner.keep_alives.keep_alive(kv.lease()).await {
+                    Ok(true) => Ok(ExtendOutcome::Extended),
+                    Ok(false) => Ok(ExtendOutcome::Expired),
+                    Err(error) => Err(error),
+                },
+                // The owner token on another lease: written by hand.
+                (Some(_), Some(_), _) => Ok(ExtendOutcome::Taken),
+                // Gone: taken when somebody else stands for the name.
+                (None, _, _) if contenders().next().is_some() => Ok(ExtendOutcome::Taken),
+                (None, _, _) => Ok(ExtendOutcome::Expired),
             };
             outcomes.push(outcome);
         }
         Ok(outcomes)
     }
+}
+
+/// The operations of a release: the contender key's delete, and the
+/// fencing token's record for the admin (when the token is known: a
+/// cleanup after a lost answer has none).
+pub(crate) fn release_ops(name: &str, contender: String, fencing_token: u64) -> Vec<TxnOp> {
+    let mut ops = vec![TxnOp::delete(contender, None)];
+    if fencing_token > 0 {
+        ops.push(TxnOp::put(
+            record_key(name),
+            fencing_token.to_string(),
+            None,
+        ));
+    }
+    ops
 }
 
 /// `ttl` in whole seconds, rounded up, at least 1.
@@ -339,6 +370,8 @@ impl LockBackend for EtcdBackend {
             .with_release_notifications(self.inner.watches.is_some())
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(MAX_EXTEND_BATCH)
+            .with_min_ttl(self.min_ttl())
+            .with_ttl_granularity(Duration::from_secs(1))
     }
 
     /// `TryLock`'s attempt: grants a lease of the ttl (whole seconds,
@@ -392,8 +425,8 @@ impl LockBackend for EtcdBackend {
             }
             .ok_or_else(|| protocol("the acquisition's read did not find its own key"))?;
             if lowest == revision {
-                let token = u64::try_from(revision)
-                    .map_err(|_| protocol("a negative create revision"))?;
+                let token =
+                    u64::try_from(revision).map_err(|_| protocol("a negative create revision"))?;
                 return Ok(AcquireOutcome::Acquired {
                     fencing_token: token,
                 });
@@ -419,10 +452,11 @@ impl LockBackend for EtcdBackend {
     }
 
     /// One keep-alive per lease on the backend's shared stream, then one
-    /// transaction reading every key: a key that holds the owner token on
-    /// its lease is extended, a key gone is expired (the driver reports
-    /// it taken when the lock was still valid), a key with another value
-    /// or lease is taken. The lease gets back the ttl it was granted with
+    /// transaction reading every name's contenders: the owner token's key
+    /// on its lease is extended; a name whose contenders no longer
+    /// include the owner token is taken when another contender stands for
+    /// it, else expired (the driver reports that taken too when the lock
+    /// was still valid). The lease gets back the ttl it was granted with
     /// (an etcd lease's ttl cannot change); `ttl` is not used.
     async fn extend_many(
         &self,
@@ -440,7 +474,8 @@ impl LockBackend for EtcdBackend {
     }
 
     /// A transaction deletes the contender key if it still holds the owner
-    /// token on its lease; then the lease is revoked.
+    /// token on its lease (and records the fencing token for the admin's
+    /// view of the free name); then the lease is revoked.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let (key, owner) = (lease.key(), lease.owner());
         self.step("release", async {
@@ -453,7 +488,7 @@ impl LockBackend for EtcdBackend {
                     Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
                     Compare::lease(contender.clone(), CompareOp::Equal, id),
                 ])
-                .and_then(vec![TxnOp::delete(contender, None)]);
+                .and_then(release_ops(key, contender, lease.fencing_token()));
             let answer = self
                 .inner
                 .client

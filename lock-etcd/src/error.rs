@@ -66,8 +66,7 @@ pub(crate) fn step_error(error: etcd_client::Error) -> BackendError {
     }
     let kind = match &error {
         etcd_client::Error::GRpcStatus(status)
-            if status.code() == Code::Unavailable
-                && status.message().contains("connect") =>
+            if status.code() == Code::Unavailable && status.message().contains("connect") =>
         {
             BackendErrorKind::Unavailable
         }

@@ -2,6 +2,17 @@
 //! key per contender, `n/<lease id in lower-case hex>`; the contender with
 //! the lowest create revision holds.
 
+/// Where a release keeps the fencing token of the lock it freed, for the
+/// admin's view of a free name: outside every name's contender range
+/// (a NUL byte first: no `Mutex` name starts with one), so no client of
+/// the layout ever counts it as a contender.
+pub(crate) fn record_key(name: &str) -> String {
+    format!("{RECORDS}{name}")
+}
+
+/// The prefix of the [`record_key`]s.
+pub(crate) const RECORDS: &str = "\0withlock/fencing/";
+
 /// The key of the contender on `lease` for the lock `name`.
 pub(crate) fn contender_key(name: &str, lease: i64) -> String {
     format!("{name}/{lease:x}")

@@ -20,8 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, EventType, GetOptions, WatchOptions, WatchRequestSender,
-    WatchResponseStream,
+    Client, EventType, GetOptions, WatchOptions, WatchRequestSender, WatchResponseStream,
 };
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub};
 use tokio::sync::{mpsc, oneshot};
