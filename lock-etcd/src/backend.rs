@@ -80,7 +80,10 @@ impl EtcdBackend {
             // watch that never fires.
             .with_require_leader(true)
             // A stopped or unreachable member is found out by HTTP/2 pings.
-            .with_keep_alive(Duration::from_secs(1), config.step_timeout)
+            .with_keep_alive(
+                config.step_timeout.min(Duration::from_secs(1)) / 2,
+                config.step_timeout / 2,
+            )
             .with_keep_alive_while_idle(true);
         if let Some((name, password)) = &config.user {
             options = options.with_user(name.clone(), password.clone());
@@ -89,6 +92,7 @@ impl EtcdBackend {
         if let Some(tls) = &config.tls {
             options = options.with_tls(tls.clone());
         }
+        let last = Mutex::new(None);
         let connect_error = |error: etcd_client::Error| {
             if is_refusal(&error) {
                 SetupError::Refused(error)
@@ -99,20 +103,34 @@ impl EtcdBackend {
                 }
             }
         };
+        // The check is tried again until the connect timeout while the
+        // cluster answers with a passing error (no leader yet, an endpoint
+        // down): only a refusal ends it at once.
         let check = async {
             let mut client = Client::connect(&config.endpoints, Some(options))
                 .await
                 .map_err(connect_error)?;
-            let granted = client.lease_grant(1, None).await.map_err(connect_error)?;
-            let _ = client.lease_revoke(granted.id()).await;
-            Ok::<_, SetupError>((client, granted.ttl()))
+            loop {
+                match client.lease_grant(1, None).await {
+                    Ok(granted) => {
+                        let _ = client.lease_revoke(granted.id()).await;
+                        return Ok::<_, SetupError>((client, granted.ttl()));
+                    }
+                    Err(error) if is_refusal(&error) => return Err(SetupError::Refused(error)),
+                    Err(error) => {
+                        tracing::debug!(%error, "etcd did not grant the check's lease yet");
+                        *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
         };
         let (client, floor) = match tokio::time::timeout(config.connect_timeout, check).await {
             Ok(checked) => checked?,
             Err(_) => {
                 return Err(SetupError::Connect {
                     endpoints: config.endpoints.clone(),
-                    source: None,
+                    source: last.lock().unwrap_or_else(PoisonError::into_inner).take(),
                 })
             }
         };
