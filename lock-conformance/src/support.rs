@@ -131,6 +131,24 @@ pub fn node(backend: impl LockBackend, name: &str) -> Locker {
 /// The ttl used where a case waits for an expiry or an extension.
 pub const SHORT_TTL: Duration = Duration::from_millis(400);
 
+/// How much a case stretches its ttl, and the durations tied to it, on
+/// `backend`: the backend's [`Capabilities::min_ttl`] over [`SHORT_TTL`],
+/// and 1 when that minimum is below [`SHORT_TTL`] (memory, Redis,
+/// PostgreSQL: their cases run as written). A store whose leases have a
+/// floor (etcd's whole seconds) runs every case, on longer times, instead
+/// of skipping it.
+///
+/// [`Capabilities::min_ttl`]: lock_core::Capabilities::min_ttl
+pub fn ttl_scale(backend: &DynLockBackend) -> f64 {
+    let min = backend.capabilities().min_ttl;
+    (min.as_secs_f64() / SHORT_TTL.as_secs_f64()).max(1.0)
+}
+
+/// `duration` stretched by [`ttl_scale`] for `backend`.
+pub fn scaled(backend: &DynLockBackend, duration: Duration) -> Duration {
+    duration.mul_f64(ttl_scale(backend))
+}
+
 /// The retry delay used where a case waits for a lock.
 pub const RETRY: Duration = Duration::from_millis(20);
 

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::faults::{is_injected, FaultInjector, Step};
 use crate::support::{
-    assert_held, node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON,
+    assert_held, node, patient, scaled, within, BackendFactory, Namespace, SHORT_TTL, SOON,
 };
 
 /// Runs a callback that waits until told, under a lock from `locker`, and
@@ -62,7 +62,8 @@ async fn hold_while_extensions_are_lost(
     let faulty = FaultInjector::new(Arc::clone(backend));
     let a = node(faulty.clone(), "a");
     faulty.skip_extensions(true);
-    let (call, started, finish) = hold_in_background(&a, key, LockConfig::default().ttl(SHORT_TTL));
+    let cfg = LockConfig::default().ttl(scaled(&**backend, SHORT_TTL));
+    let (call, started, finish) = hold_in_background(&a, key, cfg);
     within(SOON, "callback start", started).await.unwrap();
     (faulty, call, finish)
 }
@@ -76,7 +77,7 @@ pub async fn l1_key_gone_while_valid_is_lost_as_taken(factory: Arc<dyn BackendFa
     let backend = factory.backend().await;
     let key = Namespace::new().key("l1-expired");
     let (faulty, call, _finish) = hold_while_extensions_are_lost(&backend, &key).await;
-    tokio::time::sleep(SHORT_TTL * 2).await;
+    tokio::time::sleep(scaled(&*backend, SHORT_TTL * 2)).await;
     assert!(!call.is_finished(), "the holder cannot know yet");
     faulty.skip_extensions(false);
     let cause = lost_with(call).await;

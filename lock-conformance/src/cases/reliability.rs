@@ -8,7 +8,7 @@ use lock_core::{LockConfig, LockError};
 use tokio::time::Instant;
 
 use crate::faults::{FaultInjector, Step};
-use crate::support::{node, within, BackendFactory, Namespace, RETRY, SHORT_TTL, SOON};
+use crate::support::{node, scaled, within, BackendFactory, Namespace, RETRY, SHORT_TTL, SOON};
 
 /// What the workers saw, shared.
 #[derive(Default)]
@@ -45,11 +45,12 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
         .map(|(i, f)| node(f.clone(), &format!("n{i}")))
         .collect();
     let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let short_ttl = scaled(&*backend, SHORT_TTL);
     let cfg = LockConfig::default()
-        .ttl(SHORT_TTL)
+        .ttl(short_ttl)
         .wait_forever()
         .retry_delay(RETRY);
-    let run_for = Duration::from_secs(3);
+    let run_for = scaled(&*backend, Duration::from_secs(3));
     let started = Instant::now();
 
     // The chaos: whenever a long critical section is inside, every node's
@@ -71,11 +72,11 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                     f.fail_next(Step::Release, 1);
                 }
             }
-            tokio::time::sleep(SHORT_TTL * 3 / 2).await;
+            tokio::time::sleep(short_ttl * 3 / 2).await;
             for f in &chaos_faults {
                 f.hang(Step::Extend, false);
             }
-            tokio::time::sleep(SHORT_TTL / 2).await;
+            tokio::time::sleep(short_ttl / 2).await;
             round += 1;
         }
     });
@@ -92,9 +93,9 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                     // outlives a hang; the others for up to half the ttl.
                     let long = (i as u64 + w + j) % 3 == 0;
                     let hold = if long {
-                        SHORT_TTL * 2
+                        short_ttl * 2
                     } else {
-                        SHORT_TTL * ((i as u32 + j as u32) % 5) / 8
+                        short_ttl * ((i as u32 + j as u32) % 5) / 8
                     };
                     let l = Arc::clone(&ledger);
                     let (token_tx, token_rx) = tokio::sync::oneshot::channel();

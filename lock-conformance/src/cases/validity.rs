@@ -178,20 +178,25 @@ pub async fn h6_callback_never_starts_on_a_late_lease(factory: Arc<dyn BackendFa
     let backend = factory.backend().await;
     let ns = Namespace::new();
     let key = ns.key("h6");
+    let short_ttl = crate::support::scaled(&*backend, SHORT_TTL);
     let faulty = FaultInjector::new(Arc::clone(&backend));
     let counting = CountingBackend::new(faulty.clone());
-    faulty.delay_answers(Step::TryAcquire, 1, SHORT_TTL + Duration::from_millis(200));
+    faulty.delay_answers(
+        Step::TryAcquire,
+        1,
+        short_ttl + crate::support::scaled(&*backend, Duration::from_millis(200)),
+    );
     let a = node(counting.clone(), "a");
     let runs = Arc::new(AtomicU32::new(0));
     let r = Arc::clone(&runs);
-    let cfg = patient().ttl(SHORT_TTL);
+    let cfg = patient().ttl(short_ttl);
     let got = within(
-        SOON,
+        SOON + short_ttl * 2,
         "the call",
         a.with_lock_config(&key, &cfg, move |ctx| async move {
             r.fetch_add(1, Ordering::SeqCst);
             // Long enough for an extension to be due on a stale lease.
-            tokio::time::sleep(SHORT_TTL / 2).await;
+            tokio::time::sleep(short_ttl / 2).await;
             ctx.fencing_token()
         }),
     )

@@ -1,0 +1,179 @@
+//! The operator's functions ([`LockAdmin`]) on the contender keys.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn};
+use lock_core::{async_trait, AdminError, BackendError, LockAdmin, LockInfo, OwnerToken};
+
+use crate::backend::{release_ops, EtcdBackend};
+use crate::error::step_error;
+use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECORDS};
+
+/// Lists, inspects and force-releases locks in etcd's `Mutex` layout.
+///
+/// - `list_locks`: the names under the prefix that have a contender, each
+///   with its holder (the lowest create revision). A holder written by
+///   another client of the layout (`etcdctl lock`, Go's
+///   `concurrency.Mutex`, whose value is empty) shows as `<etcd mutex>`.
+/// - `inspect`: one name's holder, its lease's remaining ttl and its
+///   create revision as the fencing token; for a free name, the token of
+///   the last lock a withlock release or force release freed (a record
+///   beside the layout; a lock that expired, or that another client
+///   released, leaves none).
+/// - `force_release`: deletes the holder's key (if it has not changed
+///   since it was read) and revokes its lease, only when its value is a
+///   withlock owner token \[D2\]: a holder of another client is refused.
+///   The deletion reaches every waiter's watch.
+#[async_trait]
+impl LockAdmin for EtcdBackend {
+    async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+        let options = if prefix.is_empty() {
+            GetOptions::new().with_all_keys()
+        } else {
+            GetOptions::new().with_prefix()
+        };
+        let read = self
+            .client()
+            .kv_client()
+            .get(prefix, Some(options))
+            .await
+            .map_err(step_error)?;
+        let mut holders: BTreeMap<String, KeyValue> = BTreeMap::new();
+        for kv in read.kvs() {
+            if kv.key().starts_with(RECORDS.as_bytes()) {
+                continue;
+            }
+            let Some(name) = name_of_key(kv.key()) else {
+                continue;
+            };
+            if !name.starts_with(prefix) {
+                continue;
+            }
+            let lower = holders
+                .get(name)
+                .is_none_or(|held| kv.create_revision() < held.create_revision());
+            if lower {
+                holders.insert(name.to_owned(), kv.clone());
+            }
+        }
+        let mut infos = Vec::with_capacity(holders.len());
+        for (name, kv) in holders {
+            infos.push(self.info(name, &kv).await?);
+        }
+        Ok(infos)
+    }
+
+    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+        match self.holder(key).await? {
+            Some(kv) => self.info(key.to_owned(), &kv).await,
+            None => {
+                let record = self
+                    .client()
+                    .kv_client()
+                    .get(record_key(key), None)
+                    .await
+                    .map_err(step_error)?;
+                let token = record
+                    .kvs()
+                    .first()
+                    .and_then(|kv| std::str::from_utf8(kv.value()).ok())
+                    .and_then(|text| text.parse().ok());
+                Ok(LockInfo::free(key).with_fencing_token(token))
+            }
+        }
+    }
+
+    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+        // A holder that changes between the read and the delete is read
+        // again; three times is plenty for a name held by people.
+        for _ in 0..3 {
+            let Some(kv) = self.holder(key).await? else {
+                return Ok(None);
+            };
+            let info = self.info(key.to_owned(), &kv).await?;
+            if !info.is_withlock_lock() {
+                return Err(AdminError::NotALock {
+                    key: key.to_owned(),
+                    found: "a holder that is not a withlock owner token (another client of \
+                            etcd's lock layout)"
+                        .to_owned(),
+                });
+            }
+            let txn = Txn::new()
+                .when(vec![Compare::mod_revision(
+                    kv.key(),
+                    CompareOp::Equal,
+                    kv.mod_revision(),
+                )])
+                .and_then(release_ops(
+                    key,
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    u64::try_from(kv.create_revision()).unwrap_or(0),
+                ));
+            let answer = self
+                .client()
+                .kv_client()
+                .txn(txn)
+                .await
+                .map_err(step_error)?;
+            if answer.succeeded() {
+                let _ = self.client().lease_client().revoke(kv.lease()).await;
+                return Ok(Some(info));
+            }
+        }
+        Err(AdminError::Backend(BackendError::message(
+            lock_core::BackendErrorKind::Request,
+            "the holder changed three times while it was being freed",
+        )))
+    }
+}
+
+impl EtcdBackend {
+    /// The contender of `name` with the lowest create revision.
+    async fn holder(&self, name: &str) -> Result<Option<KeyValue>, BackendError> {
+        let (start, end) = contender_range(name);
+        let read = self
+            .client()
+            .kv_client()
+            .get(
+                start,
+                Some(
+                    GetOptions::new()
+                        .with_range(end)
+                        .with_sort(SortTarget::Create, SortOrder::Ascend),
+                ),
+            )
+            .await
+            .map_err(step_error)?;
+        Ok(read
+            .kvs()
+            .iter()
+            .find(|kv| is_contender(name, kv.key()))
+            .cloned())
+    }
+
+    /// What the admin shows of a holder: its value, its lease's remaining
+    /// ttl, its create revision.
+    async fn info(&self, name: String, kv: &KeyValue) -> Result<LockInfo, BackendError> {
+        let ttl = if kv.lease() == 0 {
+            None
+        } else {
+            let left = self
+                .client()
+                .lease_client()
+                .time_to_live(kv.lease(), None)
+                .await
+                .map_err(step_error)?
+                .ttl();
+            Some(Duration::from_secs(u64::try_from(left).unwrap_or(0)))
+        };
+        let owner = match std::str::from_utf8(kv.value()) {
+            Ok("") => OwnerToken::from_value("<etcd mutex>"),
+            Ok(value) => OwnerToken::from_value(value),
+            Err(_) => OwnerToken::from_value("<bytes>"),
+        };
+        Ok(LockInfo::held(name, owner, ttl)
+            .with_fencing_token(u64::try_from(kv.create_revision()).ok()))
+    }
+}

@@ -1,0 +1,539 @@
+//! `EtcdBackend`: the lock steps as etcd requests, one lease per
+//! acquisition.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp, TxnOpResponse,
+};
+use lock_core::{
+    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
+    LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+};
+
+use crate::config::EtcdConfig;
+use crate::error::{is_refusal, protocol, step_error, SetupError};
+use crate::keepalive::KeepAlives;
+use crate::layout::{contender_key, contender_range, is_contender, record_key};
+use crate::watch::Watches;
+
+/// How many leases one [`LockBackend::extend_many`] call carries: its
+/// keys are read in one transaction, and etcd's default `--max-txn-ops`
+/// is 128.
+pub const MAX_EXTEND_BATCH: usize = 128;
+
+/// A lock backend on etcd, in the key layout of etcd's own
+/// `concurrency.Mutex` (see the crate docs).
+///
+/// Cheap to clone; clones share the client, the keep-alive stream and the
+/// watch stream, whose tasks stop when the last clone is dropped.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    config: EtcdConfig,
+    /// The shortest lease granted, in whole seconds.
+    min_ttl_secs: i64,
+    /// The lease of each acquisition this backend made and did not release
+    /// yet, by name and owner token, from its grant on: a step finds its
+    /// key by it, and a cleanup of an attempt whose answer was lost finds
+    /// it too. A miss (another process's lease, a forgotten entry) is
+    /// looked up by value.
+    leases: Mutex<HashMap<(String, String), i64>>,
+    keep_alives: KeepAlives,
+    hub: ReleaseHub,
+    watches: Option<Watches>,
+}
+
+impl EtcdBackend {
+    /// Connects to the cluster `config` names and checks it: a lease is
+    /// granted and revoked at once, which also measures etcd's lease floor
+    /// ([`EtcdConfig::min_ttl`]).
+    ///
+    /// # Errors
+    ///
+    /// - [`SetupError::InvalidConfig`] for a config that does not validate;
+    /// - [`SetupError::Connect`] when no endpoint answers within
+    ///   [`EtcdConfig::connect_timeout`], or the connection fails (a TLS
+    ///   client against a plain server, or the other way round);
+    /// - [`SetupError::Refused`] for wrong credentials or a user without
+    ///   the rights to grant leases.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the client being made; the check's lease,
+    /// if granted, expires with its 1 s ttl.
+    pub async fn connect(config: EtcdConfig) -> Result<Self, SetupError> {
+        config.validate()?;
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            // A member cut off from its leader refuses requests and ends
+            // its streams instead of serving stale reads or holding a
+            // watch that never fires.
+            .with_require_leader(true)
+            // A stopped or unreachable member is found out by HTTP/2 pings.
+            .with_keep_alive(
+                config.step_timeout.min(Duration::from_secs(1)) / 2,
+                config.step_timeout / 2,
+            )
+            .with_keep_alive_while_idle(true);
+        if let Some((name, password)) = &config.user {
+            options = options.with_user(name.clone(), password.clone());
+        }
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &config.tls {
+            options = options.with_tls(tls.clone());
+        }
+        let last = Mutex::new(None);
+        let connect_error = |error: etcd_client::Error| {
+            if is_refusal(&error) {
+                SetupError::Refused(error)
+            } else {
+                SetupError::Connect {
+                    endpoints: config.endpoints.clone(),
+                    source: Some(error),
+                }
+            }
+        };
+        // The check is tried again until the connect timeout while the
+        // cluster answers with a passing error (no leader yet, an endpoint
+        // down): only a refusal ends it at once.
+        let check = async {
+            let mut client = Client::connect(&config.endpoints, Some(options))
+                .await
+                .map_err(connect_error)?;
+            loop {
+                match client.lease_grant(1, None).await {
+                    Ok(granted) => {
+                        let _ = client.lease_revoke(granted.id()).await;
+                        return Ok::<_, SetupError>((client, granted.ttl()));
+                    }
+                    Err(error) if is_refusal(&error) => return Err(SetupError::Refused(error)),
+                    Err(error) => {
+                        tracing::debug!(%error, "etcd did not grant the check's lease yet");
+                        *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        };
+        let (client, floor) = match tokio::time::timeout(config.connect_timeout, check).await {
+            Ok(checked) => checked?,
+            Err(_) => {
+                return Err(SetupError::Connect {
+                    endpoints: config.endpoints.clone(),
+                    source: last.lock().unwrap_or_else(PoisonError::into_inner).take(),
+                })
+            }
+        };
+        let configured = config.min_ttl.map_or(1, whole_seconds);
+        let min_ttl_secs = floor.max(configured).max(1);
+        let hub = ReleaseHub::new();
+        let watches = config
+            .release_notifications
+            .then(|| Watches::start(&client, hub.clone(), config.step_timeout));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                keep_alives: KeepAlives::start(&client, config.step_timeout),
+                client,
+                config,
+                min_ttl_secs,
+                leases: Mutex::new(HashMap::new()),
+                hub,
+                watches,
+            }),
+        })
+    }
+
+    /// [`connect`](Self::connect) on a URL of the form
+    /// `etcd://[user:password@]host:2379[,host2:2379…]` (`etcds://` for
+    /// TLS), with the other fields of [`EtcdConfig`] at their defaults.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidUrl`], or those of [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`connect`](Self::connect).
+    pub async fn from_url(url: &str) -> Result<Self, SetupError> {
+        Self::connect(EtcdConfig::from_url(url)?).await
+    }
+
+    /// The client the steps use, for anything else you do with etcd.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// The config the backend was made with.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
+    }
+
+    /// The shortest lease this backend grants: etcd's floor as measured
+    /// at connect, or [`EtcdConfig::min_ttl`] when longer.
+    pub fn min_ttl(&self) -> Duration {
+        Duration::from_secs(u64::try_from(self.inner.min_ttl_secs).unwrap_or(1))
+    }
+
+    /// The ttl a lease asked for with `ttl` is granted: whole seconds,
+    /// rounded up, and at least [`min_ttl`](Self::min_ttl).
+    pub fn effective_ttl(&self, ttl: Duration) -> Duration {
+        Duration::from_secs(u64::try_from(self.lease_secs(ttl)).unwrap_or(u64::MAX))
+    }
+
+    fn lease_secs(&self, ttl: Duration) -> i64 {
+        whole_seconds(ttl).max(self.inner.min_ttl_secs)
+    }
+
+    /// Runs one step within the step timeout.
+    async fn step<T>(
+        &self,
+        name: &'static str,
+        work: impl Future<Output = Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
+        let after = self.inner.config.step_timeout;
+        match tokio::time::timeout(after, work).await {
+            Ok(result) => result,
+            Err(_) => Err(BackendError::timeout(name, after)),
+        }
+    }
+
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), i64>> {
+        self.inner
+            .leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn remember(&self, name: &str, owner: &OwnerToken, lease: i64) {
+        self.leases()
+            .insert((name.to_owned(), owner.as_str().to_owned()), lease);
+    }
+
+    fn forget(&self, name: &str, owner: &OwnerToken) {
+        self.leases()
+            .remove(&(name.to_owned(), owner.as_str().to_owned()));
+    }
+
+    /// The lease of `owner`'s contender key on `name`: remembered, or
+    /// else read: the contender whose value is the owner token.
+    async fn lease_of(&self, name: &str, owner: &OwnerToken) -> Result<Option<i64>, BackendError> {
+        let remembered = self
+            .leases()
+            .get(&(name.to_owned(), owner.as_str().to_owned()))
+            .copied();
+        if remembered.is_some() {
+            return Ok(remembered);
+        }
+        let (start, end) = contender_range(name);
+        let read = self
+            .inner
+            .client
+            .kv_client()
+            .get(start, Some(GetOptions::new().with_range(end)))
+            .await
+            .map_err(step_error)?;
+        Ok(read
+            .kvs()
+            .iter()
+            .find(|kv| is_contender(name, kv.key()) && kv.value() == owner.as_str().as_bytes())
+            .map(|kv| kv.lease()))
+    }
+
+    /// Revokes a lease whose key is gone or never held the name; a lease
+    /// already gone is fine, and any other failure only leaves it to
+    /// expire with its ttl.
+    async fn revoke_quietly(&self, lease: i64) {
+        if let Err(error) = self.inner.client.lease_client().revoke(lease).await {
+            tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
+        }
+    }
+
+    async fn extend_batch(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<Result<ExtendOutcome, BackendError>>, BackendError> {
+        let remembered: Vec<Option<i64>> = {
+            let leases = self.leases();
+            requests
+                .iter()
+                .map(|r| {
+                    let id = (
+                        r.lease.key().to_owned(),
+                        r.lease.owner().as_str().to_owned(),
+                    );
+                    leases.get(&id).copied()
+                })
+                .collect()
+        };
+        // Every keep-alive first, then one read of every name's
+        // contenders: a key found on its lease after the lease's
+        // keep-alive was answered was held when the lease got its ttl
+        // again.
+        let alive = futures_util::future::join_all(remembered.iter().map(|lease| async move {
+            match lease {
+                Some(lease) => Some(self.inner.keep_alives.keep_alive(*lease).await),
+                None => None,
+            }
+        }))
+        .await;
+        let reads: Vec<TxnOp> = requests
+            .iter()
+            .map(|request| {
+                let (start, end) = contender_range(request.lease.key());
+                TxnOp::get(start, Some(GetOptions::new().with_range(end)))
+            })
+            .collect();
+        let answer = self
+            .inner
+            .client
+            .kv_client()
+            .txn(Txn::new().and_then(reads))
+            .await
+            .map_err(step_error)?;
+        let found = answer.op_responses();
+        if found.len() != requests.len() {
+            return Err(protocol(
+                "an extension read answered another count of ranges",
+            ));
+        }
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for (((request, lease), alive), read) in
+            requests.iter().zip(&remembered).zip(alive).zip(found)
+        {
+            let TxnOpResponse::Get(read) = read else {
+                return Err(protocol("an extension read answered no range"));
+            };
+            let name = request.lease.key();
+            let owner = request.lease.owner().as_str().as_bytes();
+            let contenders = || read.kvs().iter().filter(|kv| is_contender(name, kv.key()));
+            let mine = contenders().find(|kv| kv.value() == owner);
+            let outcome = match (mine, lease, alive) {
+                // Held on the lease it was granted, kept alive.
+                (Some(kv), Some(lease), Some(alive)) if kv.lease() == *lease => match alive {
+                    Ok(true) => Ok(ExtendOutcome::Extended),
+                    // The lease ran out between its keep-alive and the read.
+                    Ok(false) => Ok(ExtendOutcome::Expired),
+                    Err(error) => Err(error),
+                },
+                // Not remembered (an acquisition of another backend, an
+                // entry already forgotten): kept alive now.
+                (Some(kv), None, _) => match self.inner.keep_alives.keep_alive(kv.lease()).await {
+                    Ok(true) => Ok(ExtendOutcome::Extended),
+                    Ok(false) => Ok(ExtendOutcome::Expired),
+                    Err(error) => Err(error),
+                },
+                // The owner token on another lease: written by hand.
+                (Some(_), Some(_), _) => Ok(ExtendOutcome::Taken),
+                // Gone: taken when somebody else stands for the name.
+                (None, _, _) if contenders().next().is_some() => Ok(ExtendOutcome::Taken),
+                (None, _, _) => Ok(ExtendOutcome::Expired),
+            };
+            outcomes.push(outcome);
+        }
+        Ok(outcomes)
+    }
+}
+
+/// The operations of a release: the contender key's delete, and the
+/// fencing token's record for the admin (when the token is known: a
+/// cleanup after a lost answer has none).
+pub(crate) fn release_ops(name: &str, contender: String, fencing_token: u64) -> Vec<TxnOp> {
+    let mut ops = vec![TxnOp::delete(contender, None)];
+    if fencing_token > 0 {
+        ops.push(TxnOp::put(
+            record_key(name),
+            fencing_token.to_string(),
+            None,
+        ));
+    }
+    ops
+}
+
+/// `ttl` in whole seconds, rounded up, at least 1.
+fn whole_seconds(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("config", &self.inner.config)
+            .field("min_ttl", &self.min_ttl())
+            .finish()
+    }
+}
+
+/// # Cancel safety
+///
+/// A dropped step may or may not have been applied. A dropped acquisition
+/// may have granted its lease and put its key: the driver's release with
+/// the same owner token finds the lease (remembered from its grant, or by
+/// the key's value) and deletes both; else both expire with the ttl.
+#[async_trait]
+impl LockBackend for EtcdBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_name("etcd")
+            .with_release_notifications(self.inner.watches.is_some())
+            .with_max_key_len(MAX_KEY_LEN)
+            .with_max_extend_batch(MAX_EXTEND_BATCH)
+            .with_min_ttl(self.min_ttl())
+            .with_ttl_granularity(Duration::from_secs(1))
+    }
+
+    /// `TryLock`'s attempt: grants a lease of the ttl (whole seconds,
+    /// rounded up, at least [`min_ttl`](EtcdBackend::min_ttl)), then in one
+    /// transaction puts the contender key `<key>/<lease hex>` with the
+    /// owner token as its value on that lease and reads the name's
+    /// contenders. The lowest create revision holds: when it is this key,
+    /// the lock is taken and its create revision is the fencing token;
+    /// else the lease is revoked (which deletes the key) and the answer is
+    /// busy.
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let secs = self.lease_secs(ttl);
+        self.step("try_acquire", async {
+            let mut client = self.inner.client.clone();
+            let lease = client
+                .lease_grant(secs, None)
+                .await
+                .map_err(step_error)?
+                .id();
+            self.remember(key, owner, lease);
+            let (start, end) = contender_range(key);
+            let contenders = GetOptions::new()
+                .with_range(end)
+                .with_keys_only()
+                .with_sort(SortTarget::Create, SortOrder::Ascend);
+            let txn = Txn::new().and_then(vec![
+                TxnOp::put(
+                    contender_key(key, lease),
+                    owner.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                TxnOp::get(start, Some(contenders)),
+            ]);
+            let answer = client.txn(txn).await.map_err(step_error)?;
+            let revision = answer
+                .header()
+                .map(|h| h.revision())
+                .ok_or_else(|| protocol("a transaction answered without a header"))?;
+            let lowest = match answer.op_responses().get(1) {
+                Some(TxnOpResponse::Get(read)) => read
+                    .kvs()
+                    .iter()
+                    .find(|kv| is_contender(key, kv.key()))
+                    .map(|kv| kv.create_revision()),
+                _ => None,
+            }
+            .ok_or_else(|| protocol("the acquisition's read did not find its own key"))?;
+            if lowest == revision {
+                let token =
+                    u64::try_from(revision).map_err(|_| protocol("a negative create revision"))?;
+                return Ok(AcquireOutcome::Acquired {
+                    fencing_token: token,
+                });
+            }
+            // Busy: withdraw, or the key would stand in line.
+            client.lease_revoke(lease).await.map_err(step_error)?;
+            self.forget(key, owner);
+            Ok(AcquireOutcome::Busy)
+        })
+        .await
+    }
+
+    /// [`extend_many`](LockBackend::extend_many) of one lease.
+    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
+        let request = ExtendRequest {
+            lease: lease.clone(),
+            ttl,
+        };
+        self.extend_many(std::slice::from_ref(&request))
+            .await
+            .pop()
+            .unwrap_or_else(|| Err(protocol("no outcome for one extension")))
+    }
+
+    /// One keep-alive per lease on the backend's shared stream, then one
+    /// transaction reading every name's contenders: the owner token's key
+    /// on its lease is extended; a name whose contenders no longer
+    /// include the owner token is taken when another contender stands for
+    /// it, else expired (the driver reports that taken too when the lock
+    /// was still valid). The lease gets back the ttl it was granted with
+    /// (an etcd lease's ttl cannot change); `ttl` is not used.
+    async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
+        match self.step("extend", self.extend_batch(requests)).await {
+            Ok(outcomes) => outcomes,
+            Err(error) => vec![Err(error); requests.len()],
+        }
+    }
+
+    fn failure_domain(&self, _key: &str) -> u64 {
+        // One cluster answers for every key.
+        0
+    }
+
+    /// A transaction deletes the contender key if it still holds the owner
+    /// token on its lease (and records the fencing token for the admin's
+    /// view of the free name); then the lease is revoked.
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        let (key, owner) = (lease.key(), lease.owner());
+        self.step("release", async {
+            let Some(id) = self.lease_of(key, owner).await? else {
+                return Ok(ReleaseOutcome::NotHeld);
+            };
+            let contender = contender_key(key, id);
+            let txn = Txn::new()
+                .when(vec![
+                    Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
+                    Compare::lease(contender.clone(), CompareOp::Equal, id),
+                ])
+                .and_then(release_ops(key, contender, lease.fencing_token()));
+            let answer = self
+                .inner
+                .client
+                .kv_client()
+                .txn(txn)
+                .await
+                .map_err(step_error)?;
+            self.revoke_quietly(id).await;
+            self.forget(key, owner);
+            Ok(if answer.succeeded() {
+                ReleaseOutcome::Released
+            } else {
+                ReleaseOutcome::NotHeld
+            })
+        })
+        .await
+    }
+
+    /// A watch on the name's contenders, on the backend's one watch
+    /// stream, in place when this returns; it wakes when the holder's key
+    /// is deleted (released, revoked, expired, deleted by hand).
+    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        let Some(watches) = &self.inner.watches else {
+            return Ok(ReleaseWatch::never());
+        };
+        let watch = self.inner.hub.watch(key);
+        self.step("watch_release", watches.watch(key)).await?;
+        Ok(watch)
+    }
+}

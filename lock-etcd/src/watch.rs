@@ -1,0 +1,348 @@
+//! Release notifications: one watch stream per backend, one watch on it
+//! per name that somebody waits for.
+//!
+//! A name is freed when its holder's key (the contender with the lowest
+//! create revision) is deleted: released, revoked, expired or deleted by
+//! hand. The keys of attempts that found the name busy are deleted too,
+//! a moment after they were put; waking the waiters for those would make
+//! them try again, whose own deleted attempts would wake the others, and
+//! so on while the name stays held. So each watch knows the name's
+//! contenders (read when the watch is made, followed on the watch) and
+//! wakes its waiters only when the lowest one goes.
+//!
+//! A task owns the stream. A watch is in place once etcd confirmed it,
+//! and `watch` returns only then, so no release after it is missed. When
+//! the stream breaks, every waiter is woken (it may have missed a
+//! release), and the watches still wanted are made again on a new stream.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, EventType, GetOptions, WatchOptions, WatchRequestSender, WatchResponseStream,
+};
+use lock_core::{BackendError, BackendErrorKind, ReleaseHub};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::error::step_error;
+use crate::layout::{contender_range, is_contender};
+
+/// How often watches nobody waits on any more are cancelled.
+const SWEEP: Duration = Duration::from_secs(2);
+
+/// How long a broken stream waits before it is made again.
+const REBUILD_AFTER: Duration = Duration::from_millis(200);
+
+type Reply = oneshot::Sender<Result<(), BackendError>>;
+
+struct Command {
+    name: Arc<str>,
+    reply: Reply,
+}
+
+/// The handle of the watch task; the task ends when it is dropped.
+#[derive(Debug)]
+pub(crate) struct Watches {
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+impl Watches {
+    /// Starts the task; the stream opens at the first watch.
+    pub(crate) fn start(client: &Client, hub: ReleaseHub, step_timeout: Duration) -> Self {
+        let (commands, rx) = mpsc::unbounded_channel();
+        let task = Task {
+            client: client.clone(),
+            hub,
+            step_timeout,
+            stream: None,
+            names: HashMap::new(),
+            by_id: HashMap::new(),
+            creating: VecDeque::new(),
+            rebuild: Vec::new(),
+            rebuild_at: None,
+        };
+        tokio::spawn(task.run(rx));
+        Self { commands }
+    }
+
+    /// Makes sure a watch on `name` is in place.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call leaves the watch being made; it is cancelled once
+    /// nobody waits on the name.
+    pub(crate) async fn watch(&self, name: &str) -> Result<(), BackendError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command {
+                name: name.into(),
+                reply,
+            })
+            .map_err(|_| failed("the watch task stopped"))?;
+        answer.await.map_err(|_| failed("the watch task stopped"))?
+    }
+}
+
+fn failed(why: &'static str) -> BackendError {
+    BackendError::message(BackendErrorKind::Request, why)
+}
+
+struct Watched {
+    /// etcd's id of the watch, once it confirmed it.
+    id: Option<i64>,
+    /// Callers waiting for the confirmation.
+    waiting: Vec<Reply>,
+    /// The name's contender keys and their create revisions.
+    contenders: HashMap<Vec<u8>, i64>,
+}
+
+struct Task {
+    client: Client,
+    hub: ReleaseHub,
+    step_timeout: Duration,
+    stream: Option<(WatchRequestSender, WatchResponseStream)>,
+    names: HashMap<Arc<str>, Watched>,
+    by_id: HashMap<i64, Arc<str>>,
+    /// Names whose watch was asked for and not confirmed yet, in order:
+    /// etcd confirms the watches of one stream in the order asked.
+    creating: VecDeque<Arc<str>>,
+    /// Names to watch again on a new stream.
+    rebuild: Vec<Arc<str>>,
+    rebuild_at: Option<Instant>,
+}
+
+async fn next_message(
+    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+) -> Result<Option<etcd_client::WatchResponse>, etcd_client::Error> {
+    match stream {
+        Some((_, responses)) => responses.message().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Task {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
+        let mut sweep = tokio::time::interval(SWEEP);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    None => return,
+                    Some(Command { name, reply }) => self.watch(name, Some(reply)).await,
+                },
+                message = next_message(&mut self.stream) => match message {
+                    Ok(Some(response)) => self.answer(&response),
+                    Ok(None) | Err(_) => self.broken(),
+                },
+                () = sleep_until(self.rebuild_at) => {
+                    self.rebuild_at = None;
+                    for name in std::mem::take(&mut self.rebuild) {
+                        if self.hub.is_watched(&name) {
+                            self.watch(name, None).await;
+                        }
+                    }
+                    // Releases between the old stream and the new one
+                    // were missed.
+                    self.hub.notify_all();
+                }
+                _ = sweep.tick() => self.sweep().await,
+            }
+        }
+    }
+
+    /// Makes the watch on `name` unless it is there or under way.
+    async fn watch(&mut self, name: Arc<str>, reply: Option<Reply>) {
+        if let Some(watched) = self.names.get_mut(&name) {
+            match (watched.id, reply) {
+                (Some(_), Some(reply)) => {
+                    let _ = reply.send(Ok(()));
+                }
+                (None, Some(reply)) => watched.waiting.push(reply),
+                (_, None) => {}
+            }
+            return;
+        }
+        let made = tokio::time::timeout(self.step_timeout, self.make(&name)).await;
+        let result = match made {
+            Ok(Ok(contenders)) => {
+                self.names.insert(
+                    Arc::clone(&name),
+                    Watched {
+                        id: None,
+                        waiting: reply.into_iter().collect(),
+                        contenders,
+                    },
+                );
+                self.creating.push_back(name);
+                return;
+            }
+            Ok(Err(error)) => Err(error),
+            Err(_) => {
+                // The stream may be hung.
+                self.broken();
+                Err(BackendError::timeout("watch", self.step_timeout))
+            }
+        };
+        if let Some(reply) = reply {
+            let _ = reply.send(result);
+        }
+    }
+
+    /// Reads the name's contenders and asks for a watch from the revision
+    /// after that read, so that nothing between the two is missed.
+    async fn make(&mut self, name: &str) -> Result<HashMap<Vec<u8>, i64>, BackendError> {
+        let (start, end) = contender_range(name);
+        let read = self
+            .client
+            .kv_client()
+            .get(
+                start.clone(),
+                Some(GetOptions::new().with_range(end.clone()).with_keys_only()),
+            )
+            .await
+            .map_err(step_error)?;
+        let revision = read.header().map_or(0, |h| h.revision());
+        let contenders = read
+            .kvs()
+            .iter()
+            .filter(|kv| is_contender(name, kv.key()))
+            .map(|kv| (kv.key().to_vec(), kv.create_revision()))
+            .collect();
+        let options = WatchOptions::new()
+            .with_range(end)
+            .with_start_revision(revision + 1);
+        match &mut self.stream {
+            Some((sender, _)) => sender
+                .watch(start, Some(options))
+                .await
+                .map_err(step_error)?,
+            None => {
+                let stream = self
+                    .client
+                    .watch_client()
+                    .watch(start, Some(options))
+                    .await
+                    .map_err(step_error)?;
+                self.stream = Some(stream.split());
+            }
+        }
+        Ok(contenders)
+    }
+
+    fn answer(&mut self, response: &etcd_client::WatchResponse) {
+        let id = response.watch_id();
+        if response.created() {
+            let Some(name) = self.creating.pop_front() else {
+                return;
+            };
+            let Some(watched) = self.names.get_mut(&name) else {
+                return;
+            };
+            let result = if response.canceled() {
+                Err(failed("etcd refused the watch"))
+            } else {
+                watched.id = Some(id);
+                self.by_id.insert(id, Arc::clone(&name));
+                Ok(())
+            };
+            for reply in watched.waiting.drain(..) {
+                let _ = reply.send(result.clone());
+            }
+            if result.is_err() {
+                self.names.remove(&name);
+            }
+            // A create answer can carry no events: they come next.
+            return;
+        }
+        let Some(name) = self.by_id.get(&id).cloned() else {
+            return;
+        };
+        if response.canceled() {
+            // Compacted past, or cancelled by etcd: waiters try again, and
+            // the next wait makes a new watch.
+            self.by_id.remove(&id);
+            self.names.remove(&name);
+            self.hub.notify(&name);
+            return;
+        }
+        let Some(watched) = self.names.get_mut(&name) else {
+            return;
+        };
+        let mut freed = false;
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            if !is_contender(&name, kv.key()) {
+                continue;
+            }
+            match event.event_type() {
+                EventType::Put => {
+                    watched
+                        .contenders
+                        .entry(kv.key().to_vec())
+                        .or_insert(kv.create_revision());
+                }
+                EventType::Delete => {
+                    let lowest = watched.contenders.values().min().copied();
+                    match watched.contenders.remove(kv.key()) {
+                        // The holder went: the next contender (or
+                        // anyone) may take the name.
+                        Some(revision) if Some(revision) == lowest => freed = true,
+                        Some(_) => {}
+                        // Not seen put: wake, to be safe.
+                        None => freed = true,
+                    }
+                }
+            }
+        }
+        if freed {
+            self.hub.notify(&name);
+        }
+    }
+
+    /// The stream broke: every caller waiting is answered, every waiter
+    /// woken, and the watches still wanted are made again soon.
+    fn broken(&mut self) {
+        self.stream = None;
+        self.creating.clear();
+        self.by_id.clear();
+        for (name, watched) in self.names.drain() {
+            for reply in watched.waiting {
+                let _ = reply.send(Err(failed("the watch stream broke")));
+            }
+            self.rebuild.push(name);
+        }
+        self.hub.notify_all();
+        if !self.rebuild.is_empty() {
+            self.rebuild_at = Some(Instant::now() + REBUILD_AFTER);
+        }
+    }
+
+    /// Cancels the watches nobody waits on any more.
+    async fn sweep(&mut self) {
+        let unwatched: Vec<(Arc<str>, i64)> = self
+            .names
+            .iter()
+            .filter(|(name, w)| w.waiting.is_empty() && !self.hub.is_watched(name))
+            .filter_map(|(name, w)| w.id.map(|id| (Arc::clone(name), id)))
+            .collect();
+        for (name, id) in unwatched {
+            self.names.remove(&name);
+            self.by_id.remove(&id);
+            if let Some((sender, _)) = &mut self.stream {
+                if sender.cancel(id).await.is_err() {
+                    self.broken();
+                    return;
+                }
+            }
+        }
+    }
+}

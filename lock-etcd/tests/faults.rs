@@ -1,0 +1,266 @@
+//! Exclusion and fencing on a real 3-member etcd cluster while members
+//! are killed, restarted and stopped (`--election-timeout 100`): fencing
+//! tokens increase in the order the sections start, no two sections
+//! overlap unless the older one was reported lost, and locking goes on
+//! after each fault.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lock_etcd::testing::EtcdCluster;
+use lock_etcd::{LockConfig, LockError, Locker, LockerOptions};
+use tokio::time::Instant;
+
+#[derive(Clone, Copy, Debug)]
+struct Section {
+    token: u64,
+    start: Instant,
+    end: Instant,
+    lost: bool,
+}
+
+/// Four workers on two nodes (a backend each) take `key` over and over
+/// for `run_for`, while `fault` runs; gives every section.
+async fn workload<F>(cluster: &EtcdCluster, key: &str, run_for: Duration, fault: F) -> Vec<Section>
+where
+    F: std::future::Future<Output = ()>,
+{
+    let sections = Arc::new(Mutex::new(Vec::new()));
+    let deadline = Instant::now() + run_for;
+    let mut workers = Vec::new();
+    for n in 0..2 {
+        let locker = Locker::with_options(
+            cluster.backend().await,
+            LockerOptions::default().node_id(format!("n{n}")),
+        )
+        .unwrap();
+        for w in 0..2u64 {
+            let (locker, key, sections) = (locker.clone(), key.to_owned(), Arc::clone(&sections));
+            workers.push(tokio::spawn(async move {
+                let cfg = LockConfig::default()
+                    .ttl(Duration::from_secs(1))
+                    .wait_forever()
+                    .retry_delay(Duration::from_millis(50));
+                let mut j = 0u64;
+                while Instant::now() < deadline {
+                    j += 1;
+                    let hold = Duration::from_millis(20 + 15 * ((j + w) % 4));
+                    let seen = Arc::new(Mutex::new(None));
+                    let s = Arc::clone(&seen);
+                    let got = locker
+                        .with_lock_config(&key, &cfg, move |ctx| async move {
+                            let start = Instant::now();
+                            tokio::time::sleep(hold).await;
+                            *s.lock().unwrap() = Some((ctx.fencing_token(), start, Instant::now()));
+                        })
+                        .await;
+                    let lost = match &got {
+                        Ok(()) => false,
+                        Err(LockError::Lost { .. }) => true,
+                        Err(other) => panic!("only losses are expected, got {other:?}"),
+                    };
+                    // A lost call may return before its callback ends:
+                    // its section is then counted as lost, open-ended.
+                    let record = *seen.lock().unwrap();
+                    if let Some((token, start, end)) = record {
+                        sections.lock().unwrap().push(Section {
+                            token,
+                            start,
+                            end,
+                            lost,
+                        });
+                    }
+                }
+            }));
+        }
+    }
+    fault.await;
+    for worker in workers {
+        tokio::time::timeout(run_for + Duration::from_secs(30), worker)
+            .await
+            .expect("a worker hung")
+            .unwrap();
+    }
+    let mut all = sections.lock().unwrap().clone();
+    all.sort_by_key(|s| s.start);
+    all
+}
+
+/// Tokens increase in start order, and an overlap follows a loss report.
+fn check(sections: &[Section]) {
+    assert!(sections.len() >= 10, "too little progress: {sections:?}");
+    for pair in sections.windows(2) {
+        assert!(
+            pair[1].token > pair[0].token,
+            "token {} started after token {} [H4]",
+            pair[1].token,
+            pair[0].token
+        );
+    }
+    let mut by_token = sections.to_vec();
+    by_token.sort_by_key(|s| s.token);
+    for (i, older) in by_token.iter().enumerate() {
+        for newer in &by_token[i + 1..] {
+            if newer.start < older.end {
+                assert!(
+                    older.lost,
+                    "sections {} and {} overlap and the older was not told it lost its lock",
+                    older.token, newer.token
+                );
+            }
+        }
+    }
+}
+
+/// Sections that started after `at`: locking goes on.
+fn after(sections: &[Section], at: Instant) -> usize {
+    sections.iter().filter(|s| s.start > at).count()
+}
+
+const ELECTION: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_leader_sigkill_and_restart() {
+    let cluster = EtcdCluster::start(3).await.unwrap();
+    let key = lock_conformance::Namespace::new().key("leader-kill");
+    let healed = Arc::new(Mutex::new(None));
+    let h = Arc::clone(&healed);
+    let fault = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let leader = cluster.wait_for_leader(ELECTION).await.unwrap();
+        cluster.kill(leader);
+        let next = cluster.wait_for_leader(ELECTION).await.unwrap();
+        assert_ne!(next, leader);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cluster.restart(leader).unwrap();
+        cluster.wait_for_leader(ELECTION).await.unwrap();
+        *h.lock().unwrap() = Some(Instant::now());
+    };
+    let sections = workload(&cluster, &key, Duration::from_secs(5), fault).await;
+    check(&sections);
+    let healed = healed.lock().unwrap().unwrap();
+    assert!(
+        after(&sections, healed) >= 1,
+        "no section after the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_leader_sigstop_past_the_election_timeout() {
+    let cluster = EtcdCluster::start(3).await.unwrap();
+    let key = lock_conformance::Namespace::new().key("leader-stop");
+    let healed = Arc::new(Mutex::new(None));
+    let h = Arc::clone(&healed);
+    let fault = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let leader = cluster.wait_for_leader(ELECTION).await.unwrap();
+        cluster.pause(leader).unwrap();
+        // The others elect a new leader (the timeout is 100 ms) while the
+        // old one is stopped, and it stays stopped well past that.
+        let next = cluster.wait_for_leader(ELECTION).await.unwrap();
+        assert_ne!(next, leader);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        cluster.resume(leader).unwrap();
+        cluster.wait_for_leader(ELECTION).await.unwrap();
+        *h.lock().unwrap() = Some(Instant::now());
+    };
+    let sections = workload(&cluster, &key, Duration::from_secs(5), fault).await;
+    check(&sections);
+    let healed = healed.lock().unwrap().unwrap();
+    assert!(after(&sections, healed) >= 1, "no section after the resume");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_minority_member_stopped_locking_goes_on() {
+    let cluster = EtcdCluster::start(3).await.unwrap();
+    let key = lock_conformance::Namespace::new().key("minority");
+    let window = Arc::new(Mutex::new(None));
+    let w = Arc::clone(&window);
+    let fault = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let leader = cluster.wait_for_leader(ELECTION).await.unwrap();
+        let follower = (leader + 1) % cluster.len();
+        cluster.pause(follower).unwrap();
+        let stopped_at = Instant::now();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        *w.lock().unwrap() = Some((stopped_at, Instant::now()));
+        cluster.resume(follower).unwrap();
+    };
+    let sections = workload(&cluster, &key, Duration::from_secs(6), fault).await;
+    check(&sections);
+    let (from, to) = window.lock().unwrap().unwrap();
+    let during = sections
+        .iter()
+        .filter(|s| s.start > from + Duration::from_secs(2) && s.start < to)
+        .count();
+    // Requests the client sends to the stopped member wait out the step
+    // timeout (1 s here) before the next attempt: slower, never stopped
+    // (see the README's limits).
+    assert!(
+        during >= 1,
+        "a stopped minority member must not stop locking: {during} sections in its last 2 s"
+    );
+}
+
+/// A holder that stops past its ttl (its runtime thread blocked, as a
+/// SIGSTOP stops a process: no keep-alive is sent) loses its lease; a
+/// waiter on another node gets the name with a higher token, and the
+/// holder is told it lost the lock when it runs again [O6, H2].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_holder_stopped_past_its_ttl_is_told_and_replaced() {
+    let cluster = Arc::new(EtcdCluster::start(3).await.unwrap());
+    let key = lock_conformance::Namespace::new().key("holder-stop");
+    let (held_tx, held_rx) = tokio::sync::oneshot::channel();
+    let (c, k) = (Arc::clone(&cluster), key.clone());
+    let holder = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let locker = Locker::with_options(
+                c.backend().await,
+                LockerOptions::default().node_id("stopped"),
+            )
+            .unwrap();
+            let cfg = LockConfig::default().ttl(Duration::from_secs(1));
+            let got = locker
+                .with_lock_config(&k, &cfg, move |ctx| async move {
+                    let _ = held_tx.send(ctx.fencing_token());
+                    // Stopped: nothing of this runtime runs for 3 ttls.
+                    std::thread::sleep(Duration::from_secs(3));
+                })
+                .await;
+            (got, Instant::now())
+        })
+    });
+    let stopped_token = tokio::time::timeout(Duration::from_secs(10), held_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let waiter = Locker::new(cluster.backend().await);
+    let cfg = LockConfig::default()
+        .wait_forever()
+        .retry_delay(Duration::from_millis(100));
+    let (token, taken_at) = tokio::time::timeout(
+        Duration::from_secs(10),
+        waiter.with_lock_config(&key, &cfg, |ctx| async move {
+            (ctx.fencing_token(), Instant::now())
+        }),
+    )
+    .await
+    .expect("the waiter gets the name after the stopped holder's lease ran out")
+    .unwrap();
+    assert!(token > stopped_token, "{token} after {stopped_token}");
+    let (got, woke_at) = tokio::task::spawn_blocking(move || holder.join().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        taken_at < woke_at,
+        "taken over while the holder was stopped"
+    );
+    assert!(
+        matches!(got, Err(LockError::Lost { .. })),
+        "the stopped holder is told: {got:?}"
+    );
+}

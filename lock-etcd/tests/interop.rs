@@ -1,0 +1,175 @@
+//! withlock and etcd's own lock (`etcdctl lock`, Go's `concurrency.Mutex`)
+//! exclude each other on the same name, both ways: they share its key
+//! layout.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use lock_etcd::etcd_client::GetOptions;
+use lock_etcd::testing::{shared_server, EtcdCluster};
+use lock_etcd::{EtcdBackend, LockConfig, Locker, LockerOptions};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
+
+const SOON: Duration = Duration::from_secs(10);
+
+fn node(backend: &EtcdBackend, name: &str) -> Locker {
+    Locker::with_options(backend.clone(), LockerOptions::default().node_id(name)).unwrap()
+}
+
+/// `etcdctl lock NAME`, running; it prints its key once it holds the name.
+struct Etcdctl {
+    child: Child,
+    lines: Lines<BufReader<ChildStdout>>,
+}
+
+impl Etcdctl {
+    fn start(cluster: &EtcdCluster, name: &str) -> Self {
+        let mut command = tokio::process::Command::from(cluster.etcdctl());
+        let mut child = command
+            .arg("lock")
+            .arg(name)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("etcdctl starts");
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self { child, lines }
+    }
+
+    /// Waits until it holds the name; gives the key it printed.
+    async fn held(&mut self) -> String {
+        tokio::time::timeout(SOON, self.lines.next_line())
+            .await
+            .expect("etcdctl takes the lock")
+            .unwrap()
+            .expect("etcdctl printed its key")
+    }
+
+    /// Stops it with SIGTERM: it unlocks, then exits.
+    async fn stop(mut self) {
+        let pid = self.child.id().unwrap();
+        let status = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        tokio::time::timeout(SOON, self.child.wait())
+            .await
+            .expect("etcdctl exits after SIGTERM")
+            .unwrap();
+    }
+}
+
+/// The contender keys under `name/`, as etcd's clients see them.
+async fn contenders(backend: &EtcdBackend, name: &str) -> Vec<(String, i64)> {
+    let read = backend
+        .client()
+        .kv_client()
+        .get(format!("{name}/"), Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    read.kvs()
+        .iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                kv.create_revision(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn mutex_interop_etcdctl_holds_withlock_is_busy_then_waits_and_gets_it() {
+    let cluster = shared_server().await;
+    let backend = cluster.backend().await;
+    let name = lock_conformance::Namespace::new().key("etcdctl-holds");
+    let mut etcdctl = Etcdctl::start(cluster, &name);
+    let their_key = etcdctl.held().await;
+    let theirs = contenders(&backend, &name).await;
+    assert_eq!(theirs.len(), 1, "{theirs:?}");
+    assert_eq!(theirs[0].0, their_key);
+    let their_revision = u64::try_from(theirs[0].1).unwrap();
+
+    // Try once: busy, and the attempt's own key is withdrawn.
+    let a = node(&backend, "a");
+    let once = LockConfig::default().retry_attempts(0);
+    let got = a.with_lock_config(&name, &once, |_| async {}).await;
+    assert!(got.as_ref().is_err_and(|e| e.is_busy()), "{got:?}");
+    assert_eq!(
+        contenders(&backend, &name).await,
+        theirs,
+        "a try-once that found the name busy leaves no key behind"
+    );
+
+    // A waiter gets the name once etcdctl lets go.
+    let waiter = {
+        let (a, name) = (a.clone(), name.clone());
+        tokio::spawn(async move {
+            let cfg = LockConfig::default()
+                .wait_forever()
+                .retry_delay(Duration::from_millis(100));
+            a.with_lock_config(&name, &cfg, |ctx| async move { ctx.fencing_token() })
+                .await
+        })
+    };
+    etcdctl.stop().await;
+    let token = tokio::time::timeout(SOON, waiter)
+        .await
+        .expect("the waiter gets the name after etcdctl unlocked")
+        .unwrap()
+        .unwrap();
+    assert!(
+        token > their_revision,
+        "token {token} after etcdctl's key revision {their_revision}"
+    );
+    assert!(contenders(&backend, &name).await.is_empty());
+}
+
+#[tokio::test]
+async fn mutex_interop_withlock_holds_etcdctl_waits_until_the_release() {
+    let cluster = shared_server().await;
+    let backend = cluster.backend().await;
+    let name = lock_conformance::Namespace::new().key("withlock-holds");
+    let a = node(&backend, "a");
+    let mut handle = a.handle(&name, Duration::from_secs(30)).unwrap();
+    assert!(handle.acquire().await.unwrap());
+    let ours = handle.fencing_token().unwrap();
+
+    let mut etcdctl = Etcdctl::start(cluster, &name);
+    // etcdctl stands in line: its key appears behind ours.
+    let deadline = tokio::time::Instant::now() + SOON;
+    let line = loop {
+        let now = contenders(&backend, &name).await;
+        if now.len() == 2 {
+            break now;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "etcdctl never queued: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(u64::try_from(line[0].1).unwrap(), ours);
+    // Queued, and not holding: it prints nothing while withlock holds.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), etcdctl.lines.next_line())
+            .await
+            .is_err(),
+        "etcdctl took a name withlock holds"
+    );
+    assert!(handle.renew().await.unwrap(), "withlock still holds it");
+
+    assert!(handle.release().await.unwrap());
+    let their_key = etcdctl.held().await;
+    assert_eq!(their_key, line[1].0);
+    // While etcdctl holds, withlock is busy.
+    let once = LockConfig::default().retry_attempts(0);
+    let got = a.with_lock_config(&name, &once, |_| async {}).await;
+    assert!(got.as_ref().is_err_and(|e| e.is_busy()), "{got:?}");
+    etcdctl.stop().await;
+}
