@@ -12,8 +12,8 @@ use etcd_client::{
     TxnOp, TxnOpResponse,
 };
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Lease,
-    LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
+    Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 
 use crate::config::EtcdConfig;
@@ -521,6 +521,49 @@ impl LockBackend for EtcdBackend {
             } else {
                 ReleaseOutcome::NotHeld
             })
+        })
+        .await
+    }
+
+    /// The minimum hold \[H7\]: an etcd lease's ttl cannot change, so the
+    /// contender key moves, in a transaction that checks its value and
+    /// lease, onto a new lease of the time left (whole seconds, rounded
+    /// up, at least the floor); the key's create revision, the fencing
+    /// token, stays. The old lease is then revoked. The key keeps its name,
+    /// whose lease part is the old lease's: etcd's own clients look only at
+    /// create revisions.
+    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+        let (key, owner) = (lease.key(), lease.owner());
+        let secs = self.lease_secs(hold.from_now);
+        self.step("hold", async {
+            let Some(id) = self.lease_of(key, owner).await? else {
+                return Ok(ExtendOutcome::Expired);
+            };
+            let mut client = self.inner.client.clone();
+            let new = client
+                .lease_grant(secs, None)
+                .await
+                .map_err(step_error)?
+                .id();
+            let contender = contender_key(key, id);
+            let txn = Txn::new()
+                .when(vec![
+                    Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
+                    Compare::lease(contender.clone(), CompareOp::Equal, id),
+                ])
+                .and_then(vec![TxnOp::put(
+                    contender,
+                    owner.as_str(),
+                    Some(PutOptions::new().with_lease(new)),
+                )]);
+            let answer = client.txn(txn).await.map_err(step_error)?;
+            if !answer.succeeded() {
+                self.revoke_quietly(new).await;
+                return Ok(ExtendOutcome::Expired);
+            }
+            self.revoke_quietly(id).await;
+            self.forget(key, owner);
+            Ok(ExtendOutcome::Extended)
         })
         .await
     }
