@@ -285,6 +285,13 @@ pub(crate) struct RunArgs {
     /// after --grace) and exit 124, as timeout(1).
     #[arg(long, value_name = "DURATION", value_parser = positive_duration)]
     pub(crate) max_runtime: Option<Duration>,
+    /// Keep the lock at least this long after it was taken, even when CMD
+    /// ends sooner (ShedLock's lockAtLeastFor): the lock is then left to
+    /// expire, so a job that cron starts on several hosts at slightly
+    /// different times runs once per period. Default: 0 (release when CMD
+    /// ends). At most 7 days.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    pub(crate) lock_at_least: Option<Duration>,
     /// The exit code when the lock is busy (as flock -E): 0 makes a busy
     /// lock a success.
     #[arg(long, value_name = "N", default_value_t = crate::exit::BUSY)]

@@ -451,6 +451,9 @@ fn not_run(store: &Store, key: &str, error: &LockError) -> Failure {
 /// The lock config the arguments ask for, validated.
 fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
     let mut config = LockConfig::default().ttl(args.ttl);
+    if let Some(minimum) = args.lock_at_least {
+        config = config.hold_at_least(minimum);
+    }
     if args.no_wait {
         config = config.retry_attempts(0);
     } else if args.wait_forever {
@@ -464,9 +467,12 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
         let retries = wait.as_nanos().div_ceil(shortest.as_nanos().max(1));
         config = config.retry_attempts(u32::try_from(retries).unwrap_or(u32::MAX));
     }
-    config
-        .validate()
-        .map_err(|e| Failure::usage(format!("--ttl: {e}")))?;
+    config.validate().map_err(|e| match e {
+        lock_core::InvalidInput::HoldTooLong { .. } => {
+            Failure::usage(format!("--lock-at-least: {e}"))
+        }
+        e => Failure::usage(format!("--ttl: {e}")),
+    })?;
     Ok(config)
 }
 

@@ -78,7 +78,67 @@ async fn busy_exit_sets_the_code_of_a_busy_lock(store: Store) {
     assert_eq!(code(&output), 4, "{}", stderr(&output));
 }
 
+/// \[H7\] `--lock-at-least`: a job that ends at once keeps the lock to its
+/// minimum, so a second host whose cron fires a moment later finds it busy
+/// and does not run the job again; after the minimum the key is free.
+async fn h7_lock_at_least_runs_a_short_job_once_per_period(store: Store) {
+    let key = store.key("at-least");
+    let scratch = Scratch::new();
+    let first = scratch.path("first").display().to_string();
+    let second = scratch.path("second").display().to_string();
+    let started = std::time::Instant::now();
+    let output = finish(store.cmd("run").args([
+        "--lock-at-least",
+        "3s",
+        "--no-wait",
+        "--key",
+        &key,
+        "--",
+        "touch",
+        &first,
+    ]))
+    .await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let output =
+        finish(
+            store
+                .cmd("run")
+                .args(["-q", "--no-wait", "--key", &key, "--", "touch", &second]),
+        )
+        .await;
+    if started.elapsed() < std::time::Duration::from_millis(2_500) {
+        assert_eq!(code(&output), 75, "{}", stderr(&output));
+        assert!(!scratch.path("second").exists(), "the job ran twice");
+    }
+    let output = finish(
+        store
+            .cmd("run")
+            .args(["--wait", "10s", "--key", &key, "--", "touch", &second]),
+    )
+    .await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(2_990),
+        "free only after the minimum: {:?}",
+        started.elapsed()
+    );
+    let output =
+        finish(
+            store
+                .cmd("run")
+                .args(["--lock-at-least", "8d", "--key", &key, "--", "true"]),
+        )
+        .await;
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("--lock-at-least"),
+        "{}",
+        stderr(&output)
+    );
+}
+
 on_every_backend!(
     quiet_says_nothing_when_busy,
     busy_exit_sets_the_code_of_a_busy_lock,
+    h7_lock_at_least_runs_a_short_job_once_per_period,
 );
