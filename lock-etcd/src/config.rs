@@ -85,7 +85,7 @@ impl EtcdConfig {
     /// A config from a URL of the form
     /// `etcd://[user:password@]host:2379[,host2:2379…]`, or `etcds://…`
     /// for TLS (with the `tls` feature; the servers' certificates are
-    /// checked against the system's roots unless [`tls`](Self::tls) is
+    /// checked against the system's roots unless `tls` is
     /// set after). The other fields keep their defaults.
     ///
     /// # Errors
