@@ -21,3 +21,8 @@ pub use lock_postgres::{self as postgres, PostgresBackend, PostgresConfig};
 pub use lock_redis::{
     self as redis, RedisBackend, RedisClusterBackend, RedisConfig, RedisSentinelBackend,
 };
+
+/// The etcd backend's crate (`lock-etcd`), with its `etcd_client`.
+#[cfg(feature = "etcd")]
+#[doc(inline)]
+pub use lock_etcd::{self as etcd, EtcdBackend, EtcdConfig};
