@@ -2,8 +2,11 @@
 //! (3 masters, 3 replicas, started here from the installed `redis-server`),
 //! the uncontended `with_lock` cycle and 64 tasks on distinct keys spread
 //! over the masters, `RedisClusterBackend` vs the same raw commands
-//! (`SET NX PX`, then a compare-and-delete script) on a cluster connection
-//! to the same cluster, in the same run. Run it in release mode:
+//! (`SET NX PX`, then a compare-and-delete script) sent by hand to the same
+//! cluster, in the same run, two ways: on the `redis` crate's cluster
+//! connection, and on one multiplexed connection per master with each key
+//! routed to its master beforehand (the least a client can do; the backend
+//! also keeps one connection per master). Run it in release mode:
 //!
 //! ```text
 //! cargo run --release -p lock-redis --example bench_redis_cluster
@@ -25,6 +28,52 @@ fn node(backend: impl lock_core::LockBackend, name: &str) -> Locker {
 }
 
 type ClusterConn = redis::cluster_async::ClusterConnection;
+type NodeConn = redis::aio::MultiplexedConnection;
+
+/// One multiplexed connection per master, and which one serves a key.
+#[derive(Clone)]
+struct Direct {
+    masters: std::collections::HashMap<u16, NodeConn>,
+}
+
+impl Direct {
+    async fn new(cluster: &RedisCluster) -> Result<Self, Box<dyn Error>> {
+        let mut masters = std::collections::HashMap::new();
+        for port in cluster.master_ports()? {
+            let url = cluster.node(port).ok_or("no master")?.url();
+            let conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            masters.insert(port, conn);
+        }
+        Ok(Self { masters })
+    }
+
+    fn conn_of(&self, cluster: &RedisCluster, key: &str) -> Result<NodeConn, Box<dyn Error>> {
+        let port = cluster.master_port_of_slot(lock_redis::slot::key_slot(key))?;
+        Ok(self.masters.get(&port).ok_or("no master")?.clone())
+    }
+}
+
+async fn raw_direct_cycle(
+    conn: &NodeConn,
+    release: &Script,
+    key: &str,
+    value: &str,
+) -> Result<(), Box<dyn Error>> {
+    let mut conn = conn.clone();
+    let ok: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(&mut conn)
+        .await?;
+    assert!(ok.is_some(), "raw baseline: key busy");
+    let _: i64 = release.key(key).arg(value).invoke_async(&mut conn).await?;
+    Ok(())
+}
 
 async fn raw_cluster_cycle(
     conn: &ClusterConn,
@@ -65,15 +114,18 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
         .build()?
         .get_async_connection()
         .await?;
+    let direct = Direct::new(&cluster).await?;
     let value = "cl/00000000000000000000000000000000";
     const N: u32 = 2000;
     let key = "p1";
     let raw_key = format!("{prefix}raw:p1");
+    let direct_conn = direct.conn_of(&cluster, &raw_key)?;
     for _ in 0..200 {
         raw_cluster_cycle(&raw, release, &raw_key, value).await?;
+        raw_direct_cycle(&direct_conn, release, &raw_key, value).await?;
         locker.with_lock(key, |_| async {}).await?;
     }
-    let (mut raw_t, mut ours_t) = (Vec::new(), Vec::new());
+    let (mut raw_t, mut direct_t, mut ours_t) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..5 {
         let t = Instant::now();
         for _ in 0..N {
@@ -82,16 +134,23 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
         raw_t.push(t.elapsed() / N);
         let t = Instant::now();
         for _ in 0..N {
+            raw_direct_cycle(&direct_conn, release, &raw_key, value).await?;
+        }
+        direct_t.push(t.elapsed() / N);
+        let t = Instant::now();
+        for _ in 0..N {
             locker.with_lock(key, |_| async {}).await?;
         }
         ours_t.push(t.elapsed() / N);
     }
     raw_t.sort();
+    direct_t.sort();
     ours_t.sort();
-    let (r, o) = (raw_t[2], ours_t[2]);
+    let (r, d, o) = (raw_t[2], direct_t[2], ours_t[2]);
     println!(
-        "Cluster uncontended cycle: with_lock {o:?}, raw SET NX PX + release script {r:?}: ratio {:.3}x",
-        o.as_secs_f64() / r.as_secs_f64()
+        "Cluster uncontended cycle: with_lock {o:?}; raw SET NX PX + release script on the cluster connection {r:?}: ratio {:.3}x; on per-master connections {d:?}: ratio {:.3}x",
+        o.as_secs_f64() / r.as_secs_f64(),
+        o.as_secs_f64() / d.as_secs_f64()
     );
 
     const TASKS: usize = 64;
@@ -104,6 +163,9 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
                 .ok()
         })
         .collect();
+    let direct_conns: Vec<NodeConn> = (0..TASKS)
+        .map(|i| direct.conn_of(&cluster, &format!("{prefix}raw:p2:{i}")))
+        .collect::<Result<_, _>>()?;
     let run_raw = || async {
         let t = Instant::now();
         let mut tasks = Vec::new();
@@ -114,6 +176,26 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
                 let value = format!("p2/{i:032x}");
                 for _ in 0..CYCLES {
                     raw_cluster_cycle(&conn, &release, &key, &value)
+                        .await
+                        .expect("raw cycle");
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("raw task");
+        }
+        f64::from(CYCLES) * TASKS as f64 / t.elapsed().as_secs_f64()
+    };
+    let run_direct = || async {
+        let t = Instant::now();
+        let mut tasks = Vec::new();
+        for (i, conn) in direct_conns.iter().enumerate() {
+            let (conn, release, key) =
+                (conn.clone(), release.clone(), format!("{prefix}raw:p2:{i}"));
+            tasks.push(tokio::spawn(async move {
+                let value = format!("p2/{i:032x}");
+                for _ in 0..CYCLES {
+                    raw_direct_cycle(&conn, &release, &key, &value)
                         .await
                         .expect("raw cycle");
                 }
@@ -144,19 +226,23 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
         f64::from(CYCLES) * TASKS as f64 / t.elapsed().as_secs_f64()
     };
     run_raw().await;
+    run_direct().await;
     run_ours().await;
-    let (mut raw_r, mut ours_r) = (Vec::new(), Vec::new());
+    let (mut raw_r, mut direct_r, mut ours_r) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         raw_r.push(run_raw().await);
+        direct_r.push(run_direct().await);
         ours_r.push(run_ours().await);
     }
     raw_r.sort_by(f64::total_cmp);
+    direct_r.sort_by(f64::total_cmp);
     ours_r.sort_by(f64::total_cmp);
-    let (r, o) = (raw_r[1], ours_r[1]);
+    let (r, d, o) = (raw_r[1], direct_r[1], ours_r[1]);
     println!(
-        "Cluster 64 tasks, distinct keys on {} masters: with_lock {o:.0} cycles/s, raw {r:.0} cycles/s: ratio {:.3}x",
+        "Cluster 64 tasks, distinct keys on {} masters: with_lock {o:.0} cycles/s; raw on the cluster connection {r:.0} cycles/s: ratio {:.3}x; raw on per-master connections {d:.0} cycles/s: ratio {:.3}x",
         masters.len(),
-        o / r
+        o / r,
+        o / d
     );
     drop(locker);
     tokio::task::spawn_blocking(move || drop(cluster)).await?;

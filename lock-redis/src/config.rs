@@ -63,7 +63,8 @@ pub struct RedisConfig {
     /// After each acquisition, wait for this many replicas to acknowledge
     /// it (`WAIT`), and count the attempt as failed, releasing the lock,
     /// when fewer did in time: see [`Durability`](crate::Durability). For a
-    /// primary with replicas (Sentinel); not used by the cluster backend.
+    /// primary with replicas (Sentinel), or a cluster (`WAIT` on the key's
+    /// master).
     ///
     /// Default: `None`: no waiting; a failover may lose a lock just taken.
     pub durability: Option<crate::Durability>,
@@ -72,8 +73,8 @@ pub struct RedisConfig {
     /// It changes no answer; under load the server does a fraction of the
     /// work. Turn it off behind a proxy that routes each command by its
     /// keys' hash slot (such a batch spans slots); a cluster needs
-    /// [`RedisClusterBackend`](crate::RedisClusterBackend), which never
-    /// batches across slots.
+    /// [`RedisClusterBackend`](crate::RedisClusterBackend), which batches
+    /// per master as a pipeline of one-key script calls.
     ///
     /// Default: `true`.
     pub batch_steps: bool,
