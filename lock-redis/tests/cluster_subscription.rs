@@ -103,7 +103,7 @@ async fn a_reconnect_resubscribes_with_one_request_per_node_and_idle_channels_ar
     let waiters: Vec<_> = leases
         .iter()
         .map(|lease| {
-            let (waiter, key, slow) = (waiter.clone(), lease.key().to_owned(), slow.clone());
+            let (waiter, key, slow) = (waiter.clone(), lease.key().to_owned(), slow);
             tokio::spawn(async move {
                 waiter
                     .with_lock_config(&key, &slow, |_| async { Instant::now() })
