@@ -21,7 +21,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use crate::event::{Event, Fault, LeakCheck, Outcome, RunInfo, RunLog, Section, WriteResult};
+use crate::event::{
+    Event, Fault, FaultKind, LeakCheck, Outcome, RunInfo, RunLog, Section, WriteResult,
+};
 
 mod report;
 
@@ -149,6 +151,23 @@ impl<'l> Analysis<'l> {
         }
     }
 
+    /// Whether the store was restarted empty (`server_kill`) while
+    /// `section` held its lock, before anything could tell its holder: a
+    /// callback that settled then with its validity intact, whose release
+    /// failed on the dead connection, gets its output \[O6\], and the
+    /// lock's only protection is the fence, which refuses its stale writes
+    /// (a write the fence accepted from it after the newer holder's would
+    /// still be reported by the fence store's own check). The one residual
+    /// assumption the README states.
+    fn store_lost_its_data_under(&self, section: &Section) -> bool {
+        let (from, to) = (start(section), end(section));
+        section.outcome == Outcome::Ok
+            && self
+                .faults
+                .iter()
+                .any(|f| f.kind == FaultKind::ServerKill && f.t_start >= from && f.t_start <= to)
+    }
+
     /// Check 1.
     fn exclusion(&mut self) {
         for (key, v) in self.held_by_key() {
@@ -166,6 +185,10 @@ impl<'l> Analysis<'l> {
                     let excused = a.told() || (b.told() && b.t_call <= start(a));
                     if excused {
                         self.report.summary.overlaps_after_loss_report += 1;
+                        continue;
+                    }
+                    if self.store_lost_its_data_under(a) {
+                        self.report.summary.overlaps_after_data_loss += 1;
                         continue;
                     }
                     let message = format!(
@@ -241,6 +264,10 @@ impl<'l> Analysis<'l> {
             {
                 if s.told() {
                     self.report.summary.refused_by_told_holders += 1;
+                    continue;
+                }
+                if self.store_lost_its_data_under(s) {
+                    self.report.summary.refused_after_data_loss += 1;
                     continue;
                 }
                 let message = format!(

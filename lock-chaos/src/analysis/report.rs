@@ -111,12 +111,22 @@ pub struct Summary {
     pub overlaps: usize,
     /// Of those, the ones whose older holder was told of its loss.
     pub overlaps_after_loss_report: usize,
+    /// Of those, the ones whose older holder held the lock while the store
+    /// was restarted empty (`server_kill`) and was not told: its release
+    /// failed, which gives the callback's output \[O6\]; the fence refuses
+    /// its stale writes.
+    #[serde(default)]
+    pub overlaps_after_data_loss: usize,
     /// Fenced writes accepted by the store.
     pub writes_accepted: usize,
     /// Fenced writes refused by the store.
     pub writes_refused: usize,
     /// Of those, the ones by holders told of their loss.
     pub refused_by_told_holders: usize,
+    /// Of those, the ones by holders whose store was restarted empty while
+    /// they held the lock.
+    #[serde(default)]
+    pub refused_after_data_loss: usize,
     /// Fenced writes that failed or timed out.
     pub writes_failed: usize,
     /// Every fault, in order.
@@ -214,13 +224,17 @@ impl fmt::Display for Report {
         }
         writeln!(
             f,
-            "overlaps: {} ({} after a loss report of the older holder)",
-            s.overlaps, s.overlaps_after_loss_report
+            "overlaps: {} ({} after a loss report of the older holder, {} after the store lost its data under it)",
+            s.overlaps, s.overlaps_after_loss_report, s.overlaps_after_data_loss
         )?;
         writeln!(
             f,
-            "fenced writes: {} accepted, {} refused ({} by holders told of their loss), {} failed",
-            s.writes_accepted, s.writes_refused, s.refused_by_told_holders, s.writes_failed
+            "fenced writes: {} accepted, {} refused ({} by holders told of their loss, {} after the store lost its data under them), {} failed",
+            s.writes_accepted,
+            s.writes_refused,
+            s.refused_by_told_holders,
+            s.refused_after_data_loss,
+            s.writes_failed
         )?;
         writeln!(
             f,

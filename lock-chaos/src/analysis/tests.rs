@@ -205,6 +205,55 @@ fn an_overlap_after_the_older_holder_was_told_is_allowed() {
 }
 
 #[test]
+fn an_overlap_after_the_store_restarted_empty_under_the_older_holder_is_explained() {
+    let mut events = clean_log();
+    // The older holder (510, 5100..5180) answered Ok: the store was
+    // restarted empty at 5.12 s, its release failed [O6]; 9000 took the
+    // key from the empty store at 5.15 s.
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ServerKill,
+        target: "server".into(),
+        t_start: 5_120 * MS,
+        t_end: 5_140 * MS,
+        detail: String::new(),
+    }));
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.overlaps_after_data_loss, 1);
+    assert_eq!(report.summary.overlaps_after_loss_report, 0);
+}
+
+#[test]
+fn a_store_restart_outside_the_older_holders_section_explains_nothing() {
+    let mut events = clean_log();
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ServerKill,
+        target: "server".into(),
+        t_start: 5_185 * MS,
+        t_end: 5_195 * MS,
+        detail: String::new(),
+    }));
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(events);
+    assert_only(&report, Check::Exclusion, 1);
+}
+
+#[test]
 fn an_overlap_where_only_the_newer_holder_was_told_is_reported() {
     let mut events = clean_log();
     events.push(Event::Section(section(
