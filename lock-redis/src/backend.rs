@@ -17,7 +17,7 @@ use lock_core::{
 use redis::aio::MultiplexedConnection;
 use redis::{FromRedisValue, Script};
 
-use crate::batch::{Batcher, Queued};
+use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
@@ -658,15 +658,7 @@ impl RedisBackend {
             step,
             batch,
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(counted.send());
-            }
-            // Dropped outside a runtime: nothing can go out; each step
-            // gets an error as the batch is dropped, and so on for the
-            // queue behind it.
-            Err(_) => drop(counted),
-        }
+        spawn_or_drop(counted.send());
     }
 }
 
@@ -725,12 +717,7 @@ impl BatchOnTheWire {
 
 impl Drop for BatchOnTheWire {
     fn drop(&mut self) {
-        for queued in self.batch.drain(..) {
-            let _ = queued.answer.send(Err(BackendError::message(
-                BackendErrorKind::Request,
-                "the batch this step went out in was dropped before its answer",
-            )));
-        }
+        fail_dropped(&mut self.batch);
         if let Some(next) = self.backend.batcher(self.step).finished() {
             self.backend.send_batch(self.step, next);
         }

@@ -47,6 +47,39 @@ pub(crate) struct Queued {
     pub(crate) answer: oneshot::Sender<Result<redis::Value, BackendError>>,
 }
 
+impl Queued {
+    /// The step's script keys and arguments, as the script call takes them.
+    pub(crate) fn keys_and_args(&self) -> (Vec<&str>, Vec<&str>) {
+        (
+            self.keys.iter().map(String::as_str).collect(),
+            self.args.iter().map(String::as_str).collect(),
+        )
+    }
+}
+
+/// Fails every step of a batch dropped before its answer (its task
+/// cancelled, or no runtime to send it on).
+pub(crate) fn fail_dropped(batch: &mut Vec<Queued>) {
+    for queued in batch.drain(..) {
+        let _ = queued.answer.send(Err(BackendError::message(
+            lock_core::BackendErrorKind::Request,
+            "the batch this step went out in was dropped before its answer",
+        )));
+    }
+}
+
+/// Sends a batch in a task of its own. Outside a runtime nothing can go
+/// out: the task is dropped unsent, and the batch it owns fails its steps
+/// as it is dropped, and so on for the queue behind it.
+pub(crate) fn spawn_or_drop(send: impl std::future::Future<Output = ()> + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(send);
+        }
+        Err(_) => drop(send),
+    }
+}
+
 /// The requests of one kind on the wire, and the steps waiting.
 #[derive(Default)]
 pub(crate) struct Batcher {

@@ -22,7 +22,7 @@ use lock_core::{BackendError, BackendErrorKind};
 use redis::Value;
 use tokio::sync::oneshot;
 
-use crate::batch::{Batcher, Queued};
+use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::cluster::{add_script, needs_routing, RedisClusterBackend};
 use crate::cluster_nodes::{Lane, Node};
 
@@ -134,14 +134,7 @@ fn send_batch(
         kind,
         batch,
     };
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(counted.send());
-        }
-        // No runtime to send it on: each step gets an error as the batch
-        // is dropped, and so on for the queue behind it.
-        Err(_) => drop(counted),
-    }
+    spawn_or_drop(counted.send());
 }
 
 /// A batch on the wire. Dropped before its answer (its task cancelled, or
@@ -160,8 +153,7 @@ impl BatchOnTheWire {
         let lua = self.kind.lua();
         let mut pipe = redis::Pipeline::with_capacity(self.batch.len());
         for queued in &self.batch {
-            let keys: Vec<&str> = queued.keys.iter().map(String::as_str).collect();
-            let args: Vec<&str> = queued.args.iter().map(String::as_str).collect();
+            let (keys, args) = queued.keys_and_args();
             add_script(&mut pipe, lua, &keys, &args);
         }
         let n = self.batch.len();
@@ -179,8 +171,7 @@ impl BatchOnTheWire {
                     let backend = &backend;
                     async move {
                         let answer = if needs_routing(&value) {
-                            let keys: Vec<&str> = queued.keys.iter().map(String::as_str).collect();
-                            let args: Vec<&str> = queued.args.iter().map(String::as_str).collect();
+                            let (keys, args) = queued.keys_and_args();
                             backend
                                 .eval(kind.name(), Lane::Steps, lua, &keys, &args)
                                 .await
@@ -203,12 +194,7 @@ impl BatchOnTheWire {
 
 impl Drop for BatchOnTheWire {
     fn drop(&mut self) {
-        for queued in self.batch.drain(..) {
-            let _ = queued.answer.send(Err(BackendError::message(
-                BackendErrorKind::Request,
-                "the batch this step went out in was dropped before its answer",
-            )));
-        }
+        fail_dropped(&mut self.batch);
         if let Some(next) = self.batcher.finished() {
             send_batch(
                 &self.backend,
