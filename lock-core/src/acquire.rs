@@ -204,7 +204,30 @@ impl Drop for ReleaseOnDrop<'_> {
     }
 }
 
+/// How a callback's lock ended, as the call sees it: the store's answer
+/// (`None` when the lock was no longer the call's: lost, or released by
+/// shutdown), the lock's record, and the key's pass (dropping it lets the
+/// next task in).
+pub(crate) type Ended<'a> = (
+    Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
+    Arc<HeldLock>,
+    Option<GatePass<'a>>,
+);
+
 impl<'a> Holding<'a> {
+    /// Takes the lock out of its drop guard for the call to end it itself:
+    /// the locker, the lock's id in the registry, its record and the
+    /// key's pass.
+    fn disarm(self) -> (&'a Inner, u64, Arc<HeldLock>, Option<GatePass<'a>>) {
+        let Self {
+            mut release_on_drop,
+            held,
+            pass,
+        } = self;
+        release_on_drop.armed = false;
+        (release_on_drop.inner, release_on_drop.id, held, pass)
+    }
+
     /// Releases the lock and waits for the store's answer \[H3\]. A release
     /// that fails is sent again while the lock is still valid, so that the
     /// answer can say whether the key was found taken \[O6\]; once a try
@@ -216,21 +239,8 @@ impl<'a> Holding<'a> {
     ///
     /// The lock's record and the key's pass are given back with the answer:
     /// dropping the pass lets the next task in.
-    pub(crate) async fn release(
-        self,
-        now: Instant,
-    ) -> (
-        Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
-        Arc<HeldLock>,
-        Option<GatePass<'a>>,
-    ) {
-        let Self {
-            mut release_on_drop,
-            held,
-            pass,
-        } = self;
-        release_on_drop.armed = false;
-        let ReleaseOnDrop { inner, id, .. } = release_on_drop;
+    pub(crate) async fn release(self, now: Instant) -> Ended<'a> {
+        let (inner, id, held, pass) = self.disarm();
         let (owed, failed) = match inner.registry.release_at_once(id, now) {
             None => return (None, held, pass),
             Some(Ok(answer)) => return (Some(answer), held, pass),
@@ -250,22 +260,8 @@ impl<'a> Holding<'a> {
     /// `at_least` \[H7\], instead of releasing it; answers as
     /// [`release`](Self::release) does. The step goes on to its end if
     /// this future is dropped: it is owed, as a release is.
-    pub(crate) async fn hold_to_minimum(
-        self,
-        at_least: Duration,
-        ends: Instant,
-    ) -> (
-        Option<Result<crate::backend::ReleaseOutcome, BackendError>>,
-        Arc<HeldLock>,
-        Option<GatePass<'a>>,
-    ) {
-        let Self {
-            mut release_on_drop,
-            held,
-            pass,
-        } = self;
-        release_on_drop.armed = false;
-        let ReleaseOnDrop { inner, id, .. } = release_on_drop;
+    pub(crate) async fn hold_to_minimum(self, at_least: Duration, ends: Instant) -> Ended<'a> {
+        let (inner, id, held, pass) = self.disarm();
         if !inner.registry.take_for_hold(id) {
             return (None, held, pass);
         }

@@ -13,12 +13,7 @@ use crate::error::BackendError;
 use crate::held::HeldLock;
 use crate::metrics::Step;
 use crate::registry::Registry;
-use crate::release::OwedRelease;
-
-/// The first pause before a failed hold step is sent again; it doubles up
-/// to [`MAX_RETRY_PAUSE`].
-const RETRY_PAUSE: Duration = Duration::from_millis(10);
-const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
+use crate::release::{OwedRelease, MAX_RETRY_PAUSE, RETRY_PAUSE};
 
 /// Sets the expiry of `held`, already out of the registry and owed
 /// ([`Registry::take_for_hold`]), to its minimum hold's end `ends`

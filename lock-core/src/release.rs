@@ -210,8 +210,8 @@ pub(crate) struct Cleanup {
 
 /// The first pause before a failed release is sent again; it doubles up to
 /// [`MAX_RETRY_PAUSE`].
-const RETRY_PAUSE: Duration = Duration::from_millis(10);
-const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
+pub(crate) const RETRY_PAUSE: Duration = Duration::from_millis(10);
+pub(crate) const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
 
 /// The first pause between two clean-up rounds of a key; it doubles up to
 /// [`MAX_PAUSE`].
