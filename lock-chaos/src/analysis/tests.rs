@@ -204,17 +204,15 @@ fn an_overlap_after_the_older_holder_was_told_is_allowed() {
     assert_eq!(report.summary.overlaps_after_loss_report, 1);
 }
 
-#[test]
-fn an_overlap_after_the_store_restarted_empty_under_the_older_holder_is_explained() {
-    let mut events = clean_log();
-    // The older holder (510, 5100..5180) answered Ok: the store was
-    // restarted empty at 5.12 s, its release failed [O6]; 9000 took the
-    // key from the empty store at 5.15 s.
+/// `events` with the store restarted empty (`server_kill`, 20 ms) at
+/// `at_ms`, and an Ok section of token 9000 from 5.15 s, which overlaps the
+/// clean log's section 510 (5100..5180).
+fn with_store_restarted_empty_at(mut events: Vec<Event>, at_ms: u64) -> Vec<Event> {
     events.push(Event::Fault(Fault {
         kind: FaultKind::ServerKill,
         target: "server".into(),
-        t_start: 5_120 * MS,
-        t_end: 5_140 * MS,
+        t_start: at_ms * MS,
+        t_end: (at_ms + 20) * MS,
         detail: String::new(),
     }));
     events.push(Event::Section(section(
@@ -225,7 +223,16 @@ fn an_overlap_after_the_store_restarted_empty_under_the_older_holder_is_explaine
         5190,
         Outcome::Ok,
     )));
-    let report = analyse_events(events);
+    events
+}
+
+#[test]
+fn an_overlap_after_the_store_restarted_empty_under_the_older_holder_is_explained() {
+    let events = clean_log();
+    // The older holder (510, 5100..5180) answered Ok: the store was
+    // restarted empty at 5.12 s, its release failed [O6]; 9000 took the
+    // key from the empty store at 5.15 s.
+    let report = analyse_events(with_store_restarted_empty_at(events, 5_120));
     assert!(report.is_clean(), "{report}");
     assert_eq!(report.summary.overlaps_after_data_loss, 1);
     assert_eq!(report.summary.overlaps_after_loss_report, 0);
@@ -233,23 +240,8 @@ fn an_overlap_after_the_store_restarted_empty_under_the_older_holder_is_explaine
 
 #[test]
 fn a_store_restart_outside_the_older_holders_section_explains_nothing() {
-    let mut events = clean_log();
-    events.push(Event::Fault(Fault {
-        kind: FaultKind::ServerKill,
-        target: "server".into(),
-        t_start: 5_185 * MS,
-        t_end: 5_195 * MS,
-        detail: String::new(),
-    }));
-    events.push(Event::Section(section(
-        0,
-        9000,
-        515,
-        5150,
-        5190,
-        Outcome::Ok,
-    )));
-    let report = analyse_events(events);
+    // Just after the older holder's section (5100..5180) ended.
+    let report = analyse_events(with_store_restarted_empty_at(clean_log(), 5_185));
     assert_only(&report, Check::Exclusion, 1);
 }
 
