@@ -5,14 +5,9 @@
 
 mod common;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
-use lock_conformance::{AdminStore, BackendFactory};
-use lock_core::DynLockBackend;
-
-use common::acl::{set_user, OPERATOR_EXTRA, PREFIX, SINGLE_NODE};
+use common::acl::{as_user, set_user, AsUsers, LOCKER, OPERATOR_EXTRA, PREFIX, SINGLE_NODE};
 use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
 
@@ -30,47 +25,20 @@ static SERVER: LazyLock<RedisServer> = LazyLock::new(|| {
     server
 });
 
-fn user_url() -> String {
-    SERVER
-        .url()
-        .replace("redis://", "redis://locker:lock-secret@")
-}
-
-async fn backend_as(url: &str) -> RedisBackend {
-    RedisBackend::connect_with(url, RedisConfig::default().prefix(PREFIX))
+async fn backend_as(user: &str, password: &str) -> RedisBackend {
+    let url = as_user(&SERVER.url(), user, password);
+    RedisBackend::connect_with(&url, RedisConfig::default().prefix(PREFIX))
         .await
         .expect("connect works without INFO")
 }
 
-/// Locks as the lock user; the admin cases' reads and forced releases as
-/// the operator, on the same store.
-struct LeastPrivilege;
-
-impl BackendFactory for LeastPrivilege {
-    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
-        Box::pin(async { Arc::new(backend_as(&user_url()).await) as Arc<DynLockBackend> })
-    }
-
-    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
-        Box::pin(async {
-            let operator = SERVER
-                .url()
-                .replace("redis://", "redis://operator:op-secret@");
-            Some(AdminStore {
-                backend: Arc::new(backend_as(&user_url()).await),
-                admin: Arc::new(backend_as(&operator).await),
-            })
-        })
-    }
-}
-
-lock_conformance::conformance_tests!(LeastPrivilege);
+lock_conformance::conformance_tests!(AsUsers(backend_as));
 
 /// The user really is that narrow: `INFO`, a key outside the prefix and a
 /// channel outside it are refused.
 #[test]
 fn d3_the_lock_user_has_no_more_rights_than_listed() {
-    let client = redis::Client::open(user_url()).unwrap();
+    let client = redis::Client::open(as_user(&SERVER.url(), LOCKER.0, LOCKER.1)).unwrap();
     let mut conn = client.get_connection().unwrap();
     let info: redis::RedisResult<String> = redis::cmd("INFO").query(&mut conn);
     assert!(info.is_err(), "INFO is refused: {info:?}");

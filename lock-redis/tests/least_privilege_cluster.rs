@@ -6,13 +6,9 @@
 
 mod common;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
-use common::acl::{as_user, set_user, CLUSTER, OPERATOR_EXTRA, PREFIX};
-use lock_conformance::{AdminStore, BackendFactory};
-use lock_core::DynLockBackend;
+use common::acl::{as_user, set_user, AsUsers, CLUSTER, OPERATOR_EXTRA, PREFIX};
 use lock_redis::testing::RedisCluster;
 use lock_redis::{RedisClusterBackend, RedisConfig};
 
@@ -42,28 +38,7 @@ async fn backend_as(user: &str, password: &str) -> RedisClusterBackend {
         .expect("connect works with the Cluster row's rights")
 }
 
-/// Locks as the lock user; the admin cases' reads and forced releases as
-/// the operator, on the same cluster.
-struct LeastPrivilege;
-
-impl BackendFactory for LeastPrivilege {
-    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
-        Box::pin(async {
-            Arc::new(backend_as("locker", "lock-secret").await) as Arc<DynLockBackend>
-        })
-    }
-
-    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
-        Box::pin(async {
-            Some(AdminStore {
-                backend: Arc::new(backend_as("locker", "lock-secret").await),
-                admin: Arc::new(backend_as("operator", "op-secret").await),
-            })
-        })
-    }
-}
-
-lock_conformance::conformance_tests!(LeastPrivilege);
+lock_conformance::conformance_tests!(AsUsers(backend_as));
 
 /// The cluster user really is that narrow on every node: `INFO`, a key
 /// outside the prefix, a classic `PUBLISH` and `SCAN` are refused.

@@ -7,13 +7,9 @@
 
 mod common;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
-use common::acl::{set_user, OPERATOR_EXTRA, PREFIX, SENTINEL_EXTRA, SINGLE_NODE};
-use lock_conformance::{AdminStore, BackendFactory};
-use lock_core::DynLockBackend;
+use common::acl::{set_user, AsUsers, OPERATOR_EXTRA, PREFIX, SENTINEL_EXTRA, SINGLE_NODE};
 use lock_redis::testing::{SentinelGroup, MASTER_NAME};
 use lock_redis::{RedisConfig, RedisSentinelBackend, SentinelConfig};
 
@@ -47,28 +43,7 @@ async fn backend_as(user: &str, password: &str) -> RedisSentinelBackend {
         .expect("connect works with the Sentinel row's rights")
 }
 
-/// Locks as the lock user; the admin cases' reads and forced releases as
-/// the operator, on the same primary.
-struct LeastPrivilege;
-
-impl BackendFactory for LeastPrivilege {
-    fn backend(&self) -> Pin<Box<dyn Future<Output = Arc<DynLockBackend>> + Send + '_>> {
-        Box::pin(async {
-            Arc::new(backend_as("locker", "lock-secret").await) as Arc<DynLockBackend>
-        })
-    }
-
-    fn with_admin(&self) -> Pin<Box<dyn Future<Output = Option<AdminStore>> + Send + '_>> {
-        Box::pin(async {
-            Some(AdminStore {
-                backend: Arc::new(backend_as("locker", "lock-secret").await),
-                admin: Arc::new(backend_as("operator", "op-secret").await),
-            })
-        })
-    }
-}
-
-lock_conformance::conformance_tests!(LeastPrivilege);
+lock_conformance::conformance_tests!(AsUsers(backend_as));
 
 /// The data-node user really is that narrow: `INFO`, a key and a channel
 /// outside the prefix, and `SCAN` are refused on the primary.

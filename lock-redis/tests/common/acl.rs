@@ -84,3 +84,50 @@ pub fn set_user(conn: &mut redis::Connection, user: &str, password: &str, rules:
 pub fn as_user(url: &str, user: &str, password: &str) -> String {
     url.replace("redis://", &format!("redis://{user}:{password}@"))
 }
+
+/// The lock user's name and password, as the tests make it.
+pub const LOCKER: (&str, &str) = ("locker", "lock-secret");
+/// The operator's name and password, as the tests make it.
+pub const OPERATOR: (&str, &str) = ("operator", "op-secret");
+
+/// A conformance factory that locks as [`LOCKER`] and runs the admin
+/// cases' reads and forced releases as [`OPERATOR`], each backend made by
+/// `connect(user, password)` on the same store.
+pub struct AsUsers<F>(pub F);
+
+impl<F, Fut, B> lock_conformance::BackendFactory for AsUsers<F>
+where
+    F: Fn(&'static str, &'static str) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = B> + Send + 'static,
+    B: lock_core::LockBackend + lock_core::LockAdmin,
+{
+    fn backend(
+        &self,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = std::sync::Arc<lock_core::DynLockBackend>> + Send + '_,
+        >,
+    > {
+        let locker = (self.0)(LOCKER.0, LOCKER.1);
+        Box::pin(async move {
+            std::sync::Arc::new(locker.await) as std::sync::Arc<lock_core::DynLockBackend>
+        })
+    }
+
+    fn with_admin(
+        &self,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Option<lock_conformance::AdminStore>> + Send + '_>,
+    > {
+        let (locker, operator) = (
+            (self.0)(LOCKER.0, LOCKER.1),
+            (self.0)(OPERATOR.0, OPERATOR.1),
+        );
+        Box::pin(async move {
+            Some(lock_conformance::AdminStore {
+                backend: std::sync::Arc::new(locker.await),
+                admin: std::sync::Arc::new(operator.await),
+            })
+        })
+    }
+}
