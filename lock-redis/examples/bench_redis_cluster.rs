@@ -27,7 +27,6 @@ fn node(backend: impl lock_core::LockBackend, name: &str) -> Locker {
     Locker::with_options(backend, LockerOptions::default().node_id(name)).expect("node id")
 }
 
-type ClusterConn = redis::cluster_async::ClusterConnection;
 type NodeConn = redis::aio::MultiplexedConnection;
 
 /// One multiplexed connection per master, and which one serves a key.
@@ -55,28 +54,10 @@ impl Direct {
     }
 }
 
-async fn raw_direct_cycle(
-    conn: &NodeConn,
-    release: &Script,
-    key: &str,
-    value: &str,
-) -> Result<(), Box<dyn Error>> {
-    let mut conn = conn.clone();
-    let ok: Option<String> = redis::cmd("SET")
-        .arg(key)
-        .arg(value)
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .query_async(&mut conn)
-        .await?;
-    assert!(ok.is_some(), "raw baseline: key busy");
-    let _: i64 = release.key(key).arg(value).invoke_async(&mut conn).await?;
-    Ok(())
-}
-
-async fn raw_cluster_cycle(
-    conn: &ClusterConn,
+/// The raw commands of one cycle, `SET NX PX` and the release script, on
+/// a master's own connection or the crate's cluster connection alike.
+async fn raw_cycle<C: redis::aio::ConnectionLike + Clone + Send + Sync>(
+    conn: &C,
     release: &Script,
     key: &str,
     value: &str,
@@ -121,20 +102,20 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
     let raw_key = format!("{prefix}raw:p1");
     let direct_conn = direct.conn_of(&cluster, &raw_key)?;
     for _ in 0..200 {
-        raw_cluster_cycle(&raw, release, &raw_key, value).await?;
-        raw_direct_cycle(&direct_conn, release, &raw_key, value).await?;
+        raw_cycle(&raw, release, &raw_key, value).await?;
+        raw_cycle(&direct_conn, release, &raw_key, value).await?;
         locker.with_lock(key, |_| async {}).await?;
     }
     let (mut raw_t, mut direct_t, mut ours_t) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..5 {
         let t = Instant::now();
         for _ in 0..N {
-            raw_cluster_cycle(&raw, release, &raw_key, value).await?;
+            raw_cycle(&raw, release, &raw_key, value).await?;
         }
         raw_t.push(t.elapsed() / N);
         let t = Instant::now();
         for _ in 0..N {
-            raw_direct_cycle(&direct_conn, release, &raw_key, value).await?;
+            raw_cycle(&direct_conn, release, &raw_key, value).await?;
         }
         direct_t.push(t.elapsed() / N);
         let t = Instant::now();
@@ -175,7 +156,7 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
             tasks.push(tokio::spawn(async move {
                 let value = format!("p2/{i:032x}");
                 for _ in 0..CYCLES {
-                    raw_cluster_cycle(&conn, &release, &key, &value)
+                    raw_cycle(&conn, &release, &key, &value)
                         .await
                         .expect("raw cycle");
                 }
@@ -195,7 +176,7 @@ async fn cluster_line(release: &Script) -> Result<(), Box<dyn Error>> {
             tasks.push(tokio::spawn(async move {
                 let value = format!("p2/{i:032x}");
                 for _ in 0..CYCLES {
-                    raw_direct_cycle(&conn, &release, &key, &value)
+                    raw_cycle(&conn, &release, &key, &value)
                         .await
                         .expect("raw cycle");
                 }
