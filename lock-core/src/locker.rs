@@ -292,14 +292,14 @@ impl Locker {
                 }
                 // [H7] Settled before its minimum hold ended: left to
                 // expire then, not released.
-                let hold = &config.hold_at_least;
-                let in_hold = !hold.is_zero()
-                    && now < acquired_at + *hold
-                    && lock.held.loss_cause().is_none();
-                let (answer, held, pass) = if in_hold {
-                    lock.hold_to_minimum(*hold, acquired_at + *hold).await
-                } else {
-                    lock.release(now).await
+                let hold = config.hold_at_least;
+                let hold_ends = (!hold.is_zero())
+                    .then(|| acquired_at + hold)
+                    .filter(|&ends| now < ends && lock.held.loss_cause().is_none());
+                let in_hold = hold_ends.is_some();
+                let (answer, held, pass) = match hold_ends {
+                    Some(ends) => lock.hold_to_minimum(hold, ends).await,
+                    None => lock.release(now).await,
                 };
                 match answer {
                     Some(Ok(ReleaseOutcome::NotHeld)) => {
