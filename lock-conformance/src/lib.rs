@@ -13,8 +13,9 @@ use std::time::Duration;
 pub use counting::CountingBackend;
 pub use faults::{is_injected, FaultInjector, InjectedFault, Step};
 pub use support::{
-    assert_free, assert_freed_soon, assert_held, node, once, patient, scaled, ttl_scale, within,
-    without_admin, AdminStore, BackendFactory, Namespace, WithoutAdmin, RETRY, SHORT_TTL, SOON,
+    assert_free, assert_freed_soon, assert_held, assert_lost_as, node, once, patient, scaled,
+    ttl_scale, within, without_admin, AdminStore, BackendFactory, Namespace, WithoutAdmin, RETRY,
+    SHORT_TTL, SOON,
 };
 
 /// A case as the list holds it.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
-    DynLockBackend, LockAdmin, LockBackend, LockConfig, LockError, Locker, LockerOptions,
+    DynLockBackend, LockAdmin, LockBackend, LockConfig, LockError, Locker, LockerOptions, LossCause,
 };
 
 /// Makes a fresh backend for one case. Every locker of the case shares it,
@@ -205,6 +205,21 @@ pub async fn assert_freed_soon(backend: &Arc<DynLockBackend>, key: &str, why: &s
     )
     .await;
     assert!(got.is_ok(), "{why}: key {key:?} was not freed: {got:?}");
+}
+
+/// Asserts that `got` is [`LockError::Lost`] with a cause of the kind of
+/// `cause` (any backend error matches a `Backend` cause).
+pub fn assert_lost_as<T: std::fmt::Debug>(
+    got: &Result<T, LockError>,
+    cause: &LossCause,
+    what: &str,
+) {
+    let same = matches!(
+        got,
+        Err(LockError::Lost { cause: c, .. })
+            if std::mem::discriminant(c) == std::mem::discriminant(cause)
+    );
+    assert!(same, "{what}: expected Lost ({cause}), got {got:?}");
 }
 
 /// Asserts that `key` is held: another node cannot take it.

@@ -5,14 +5,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockError, LossCause};
+use lock_core::LossCause;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::counting::CountingBackend;
 use crate::faults::{FaultInjector, Step};
 use crate::support::{
-    assert_free, assert_held, node, once, patient, within, BackendFactory, Namespace, SOON,
+    assert_free, assert_held, assert_lost_as, node, once, patient, within, BackendFactory,
+    Namespace, SOON,
 };
 
 /// The minimum hold of the cases: long against a round trip on a loaded
@@ -178,15 +179,10 @@ pub async fn h7_the_hold_step_is_owed_like_a_release(factory: Arc<dyn BackendFac
         }),
     )
     .await;
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Taken,
-                ..
-            })
-        ),
-        "a hold step that finds the key re-owned: {got:?}"
+    assert_lost_as(
+        &got,
+        &LossCause::Taken,
+        "a hold step that finds the key re-owned",
     );
     faulty.look_stolen(&key, false);
     // In the store the key is still this node's: it expires with its ttl,
@@ -229,16 +225,7 @@ pub async fn h7_shutdown_keeps_minimums_and_releases_cut_callbacks(
     assert_eq!(report.release_failures, 0, "{report:?}");
     assert_free(&backend, &cut_key, "a callback cut off by the grace").await;
     let got = within(SOON, "the cut call", cut).await.unwrap();
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Shutdown,
-                ..
-            })
-        ),
-        "got {got:?}"
-    );
+    assert_lost_as(&got, &LossCause::Shutdown, "the call the grace cut off");
     // Not released by shutdown: free only at the end of its minimum.
     let (got_at, _) = taken_by_next(&backend, &held_key, HOLD + SOON).await;
     assert!(got_at - before + STORE_ROUNDING >= HOLD);

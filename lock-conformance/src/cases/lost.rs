@@ -10,7 +10,8 @@ use tokio::time::Instant;
 
 use crate::faults::{is_injected, FaultInjector, Step};
 use crate::support::{
-    assert_held, node, patient, scaled, within, BackendFactory, Namespace, SHORT_TTL, SOON,
+    assert_held, assert_lost_as, node, patient, scaled, within, BackendFactory, Namespace,
+    SHORT_TTL, SOON,
 };
 
 /// Runs a callback that waits until told, under a lock from `locker`, and
@@ -218,15 +219,10 @@ pub async fn l3_cancel_on_loss_drops_borrowing_callback(factory: Arc<dyn Backend
         }),
     )
     .await;
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Taken,
-                ..
-            })
-        ),
-        "got {got:?}"
+    assert_lost_as(
+        &got,
+        &LossCause::Taken,
+        "a call whose key was taken while it ran",
     );
     assert!(dropped.load(Ordering::SeqCst), "the callback was dropped");
     assert_eq!(progress, 1, "the callback stopped at its await point");

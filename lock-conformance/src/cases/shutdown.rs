@@ -4,12 +4,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockError, Locker, LockerOptions, LossCause};
+use lock_core::{Locker, LockerOptions, LossCause};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::faults::{FaultInjector, Step};
-use crate::support::{assert_free, node, patient, within, BackendFactory, Namespace, SOON};
+use crate::support::{
+    assert_free, assert_lost_as, node, patient, within, BackendFactory, Namespace, SOON,
+};
 
 /// \[S1\] Shutdown stops new acquisitions, lets running callbacks finish for
 /// up to the grace period, then releases every lock the node still holds;
@@ -61,16 +63,7 @@ pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
         "finished"
     );
     let slow = within(SOON, "slow call", slow).await.unwrap();
-    assert!(
-        matches!(
-            slow,
-            Err(LockError::Lost {
-                cause: LossCause::Shutdown,
-                ..
-            })
-        ),
-        "got {slow:?}"
-    );
+    assert_lost_as(&slow, &LossCause::Shutdown, "the slow call");
     for key in [&quick_key, &slow_key, &handle_key] {
         assert_free(&backend, key, "after shutdown, at once").await;
     }
@@ -166,14 +159,9 @@ pub async fn s3_shutdown_returns_by_deadline_when_backend_down(factory: Arc<dyn 
     assert_eq!(report.released, 1);
     assert_eq!(report.release_failures, 1);
     let got = within(SOON, "the call", call).await.unwrap();
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Shutdown,
-                ..
-            })
-        ),
-        "got {got:?}"
+    assert_lost_as(
+        &got,
+        &LossCause::Shutdown,
+        "a call whose lock shutdown released",
     );
 }

@@ -12,7 +12,8 @@ use tokio::time::Instant;
 use crate::counting::CountingBackend;
 use crate::faults::{FaultInjector, Step};
 use crate::support::{
-    assert_free, assert_held, node, patient, within, BackendFactory, Namespace, SHORT_TTL, SOON,
+    assert_free, assert_held, assert_lost_as, node, patient, within, BackendFactory, Namespace,
+    SHORT_TTL, SOON,
 };
 
 fn assert_lost(got: &Result<(), LockError>, what: &str) {
@@ -145,16 +146,7 @@ pub async fn o6_key_replaced_before_first_extension_is_lost(factory: Arc<dyn Bac
         }),
     )
     .await;
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Taken,
-                ..
-            })
-        ),
-        "expected Lost (Taken), got {got:?}"
-    );
+    assert_lost_as(&got, &LossCause::Taken, "a call whose key was replaced");
     let ctx = ctx_rx.await.unwrap();
     assert!(ctx.is_lost(), "the context agrees with the call");
     assert!(matches!(ctx.loss_cause(), Some(LossCause::Taken)));
