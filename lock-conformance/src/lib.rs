@@ -94,6 +94,7 @@ macro_rules! __with_cases {
             d1_list_inspect_force_release_agree_with_the_lock,
             d2_force_release_of_a_free_key_changes_nothing,
             l5_force_release_wakes_waiters,
+            l5_force_release_is_found_by_its_holder_at_once,
         }
     };
 }

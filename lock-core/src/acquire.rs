@@ -178,6 +178,10 @@ enum Token<'r> {
     Fresh(OwnerToken),
 }
 
+/// How long a callback holds its lock before its key's release
+/// notifications are watched \[L5\].
+pub(crate) const WATCH_OWN_KEY_AFTER: Duration = Duration::from_millis(250);
+
 /// A lock held for a callback, with the key's pass. Dropping it releases
 /// the lock in the background \[C2\], then lets the next task of this
 /// node in (the fields drop in this order).
@@ -273,6 +277,39 @@ impl<'a> Holding<'a> {
         );
         let answer = finish_even_if_dropped(step, |_| {}).await;
         (Some(answer), held, pass)
+    }
+
+    /// Watches the key's release notifications while the callback holds
+    /// the lock \[L5\], so that a lock freed by someone else (an
+    /// operator's force release) is found lost within about a second, not
+    /// at its next extension: each notification moves the next extension
+    /// to now. The watch begins once the lock was held for
+    /// [`WATCH_OWN_KEY_AFTER`] (most locks are released sooner and never
+    /// cost one), and the lock is checked once when it is in place, which
+    /// covers a release announced before. Never resolves; a backend
+    /// without notifications leaves it to the extensions.
+    pub(crate) async fn watch_own_key(&self) -> std::convert::Infallible {
+        let ReleaseOnDrop { inner, id, .. } = self.release_on_drop;
+        if inner.caps.release_notifications {
+            tokio::time::sleep(WATCH_OWN_KEY_AFTER).await;
+            loop {
+                match inner.backend.watch_release(self.held.lease.key()).await {
+                    Ok(mut watch) => {
+                        while inner.registry.check_now(id) {
+                            watch.released().await;
+                        }
+                        break;
+                    }
+                    // The subscription is down: the extensions still check
+                    // the lock meanwhile.
+                    Err(error) => {
+                        tracing::debug!(key = %self.held.lease.key(), %error, "cannot watch a held key's releases yet");
+                        tokio::time::sleep(WATCH_OWN_KEY_AFTER * 4).await;
+                    }
+                }
+            }
+        }
+        std::future::pending().await
     }
 
     /// Gives the lock up after a loss: the extender or shutdown already

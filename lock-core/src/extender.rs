@@ -151,6 +151,8 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
         s.schedule.pop_first();
         if let Some(e) = s.entries.get_mut(&id) {
             e.due = None;
+            // Sent after any release announced so far.
+            e.recheck = false;
         }
         due_now.push((id, held, request, valid_until));
     }
@@ -262,7 +264,13 @@ fn apply(
                 e.backoff = Duration::ZERO;
                 e.last_error = None;
                 tracing::trace!(key = %e.held.lease.key(), fencing_token = e.held.lease.fencing_token(), "lock extended");
-                let due = e.held.extension_due();
+                // [L5] A release announced while it was on its way: the
+                // answer may predate it.
+                let due = if std::mem::take(&mut e.recheck) {
+                    now
+                } else {
+                    e.held.extension_due()
+                };
                 wake |= s.schedule(id, due);
             }
             // [L1] A key found gone by an extension sent while the lock

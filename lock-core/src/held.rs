@@ -166,6 +166,11 @@ impl HeldLock {
         }
     }
 
+    /// Whether an extension of this lock is on its way.
+    pub(crate) fn is_extending(&self) -> bool {
+        self.extending.load(Ordering::Acquire) > 0
+    }
+
     /// Resolves once no extension of this lock is on its way.
     pub(crate) async fn extensions_answered(&self) {
         self.signal

@@ -242,7 +242,7 @@ impl Locker {
                 // carried into another with `LockContext::scope`.
                 let held = Arc::clone(&ctx.held);
                 let guarded = Box::pin(AssertUnwindSafe(callback(ctx)).catch_unwind());
-                return match race(guarded, &held, true).await {
+                return match race(guarded, &held, true, std::future::pending()).await {
                     Ok(Ok(value)) => Ok(value),
                     Ok(Err(panic)) => resume_unwind(panic),
                     Err((guarded, cause)) => {
@@ -280,7 +280,8 @@ impl Locker {
         // Only the callback holds the context: once it is done, the lock's
         // record can go back to the key's gate.
         let guarded = Box::pin(AssertUnwindSafe(ctx.run(callback)).catch_unwind());
-        match race(guarded, &lock.held, false).await {
+        let raced = race(guarded, &lock.held, false, lock.watch_own_key()).await;
+        match raced {
             Ok(out) => {
                 // [O6] The output counts only if the lock was ours for the
                 // whole callback: still valid when it settled (a holder that
@@ -367,11 +368,13 @@ type Guarded<G> = Pin<Box<futures_util::future::CatchUnwind<AssertUnwindSafe<G>>
 
 /// Polls `callback` until it settles or `held` is lost (or with `or_ended`,
 /// released) first; a loss seen in the same poll wins, so a cancelled
-/// callback is not polled after it.
+/// callback is not polled after it. `watch`, which never ends, is polled
+/// beside them while the callback runs.
 async fn race<G: Future>(
     mut callback: Guarded<G>,
     held: &HeldLock,
     or_ended: bool,
+    watch: impl Future<Output = std::convert::Infallible>,
 ) -> Result<std::thread::Result<G::Output>, (Guarded<G>, LossCause)> {
     if let Some(cause) = held.loss_now(or_ended) {
         return Err((callback, cause));
@@ -383,11 +386,12 @@ async fn race<G: Future>(
         return Ok(out);
     }
     let loss = held.lost_or(or_ended);
-    tokio::pin!(loss);
+    tokio::pin!(loss, watch);
     tokio::select! {
         biased;
         cause = &mut loss => Err((callback, cause)),
         out = &mut callback => Ok(out),
+        never = &mut watch => match never {},
     }
 }
 

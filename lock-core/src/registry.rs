@@ -31,6 +31,10 @@ pub(crate) struct Entry {
     /// failed (then [`first_backoff`](crate::extender::first_backoff)).
     pub(crate) backoff: Duration,
     pub(crate) last_error: Option<BackendError>,
+    /// The store may have freed the lock while an extension was on its
+    /// way \[L5\]: that extension's answer may predate it, so the lock is
+    /// checked again as soon as it is answered.
+    pub(crate) recheck: bool,
 }
 
 /// The held locks, by id: a slab. An id is its slot's index in the low 32
@@ -260,6 +264,7 @@ impl Registry {
             held,
             due: None,
             last_error: None,
+            recheck: false,
         });
         if let Some(first_due) = first_due {
             s.callbacks += 1;
@@ -289,6 +294,37 @@ impl Registry {
             }
         }
         Some(id)
+    }
+
+    /// Moves a callback's lock's next extension to now: the store announced
+    /// a release of its key, which only someone else (an operator's force
+    /// release) can have made while this node holds it \[L5\]. The
+    /// extension's answer tells: still ours, or lost (`Taken`). An
+    /// extension on its way is answered first, then the lock is checked
+    /// again. False once the lock left the registry.
+    pub(crate) fn check_now(&self, id: u64) -> bool {
+        let mut s = self.lock();
+        let Some(e) = s.entries.get_mut(&id) else {
+            return false;
+        };
+        let wake = match e.due {
+            Some(due) => {
+                s.schedule.remove(&(due, id));
+                s.schedule(id, Instant::now())
+            }
+            None if e.held.is_extending() => {
+                e.recheck = true;
+                false
+            }
+            // Not scheduled yet: scheduled now, which the extender's next
+            // look keeps.
+            None => s.schedule(id, Instant::now()),
+        };
+        drop(s);
+        if wake {
+            self.wake.notify_one();
+        }
+        true
     }
 
     /// Takes a lock out that was lost: no release is owed for it.
@@ -501,6 +537,7 @@ mod tests {
             due: None,
             backoff: Duration::ZERO,
             last_error: None,
+            recheck: false,
         }
     }
 

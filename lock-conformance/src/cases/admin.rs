@@ -230,3 +230,75 @@ pub async fn l5_force_release_wakes_waiters(factory: Arc<dyn BackendFactory>) {
     }
     assert!(!held.renew().await.unwrap(), "the holder lost the key");
 }
+
+/// \[L5\] A forced release is found by its holder within about a second,
+/// not at its next extension: the holder's callback, whose lock's first
+/// extension is 10 s away, sees the loss and its call answers `Lost`
+/// (`Taken`) soon after. Both when the release comes at once after the
+/// acquisition (before the holder watches its key) and when it comes
+/// after the holder watched its key. A backend without notifications finds
+/// it at its next extension, which the case then makes come sooner.
+pub async fn l5_force_release_is_found_by_its_holder_at_once(factory: Arc<dyn BackendFactory>) {
+    let Some(store) = admin_store(&factory, "l5").await else {
+        return;
+    };
+    let notifies = store.backend.capabilities().release_notifications;
+    // With notifications the first extension comes after SOON: an answer
+    // within SOON is the notification's.
+    let ttl = if notifies {
+        SHORT_TTL * 75
+    } else {
+        crate::support::scaled(&*store.backend, SHORT_TTL * 5)
+    };
+    let ns = Namespace::new();
+    for (case, after_the_watch) in [("at once", false), ("after the watch", true)] {
+        let key = ns.key(if after_the_watch {
+            "l5-late"
+        } else {
+            "l5-soon"
+        });
+        let counting = CountingBackend::new(Arc::clone(&store.backend));
+        let holder = node(counting.clone(), "node-a");
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let k = key.clone();
+        let cfg = LockConfig::default().ttl(ttl);
+        let call = tokio::spawn(async move {
+            holder
+                .with_lock_config(&k, &cfg, |ctx| async move {
+                    let _ = started_tx.send(ctx.fencing_token());
+                    ctx.lost().await;
+                })
+                .await
+        });
+        let token = within(SOON, "the holder's callback starts", started)
+            .await
+            .unwrap();
+        if after_the_watch && notifies {
+            within(SOON, "the holder watches its key", async {
+                while counting.calls(Step::WatchRelease) < 1 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+            .await;
+        }
+        let extensions = counting.calls(Step::Extend);
+        let freed = store.admin.force_release(&key).await.unwrap();
+        assert_eq!(
+            freed.and_then(|info| info.fencing_token),
+            Some(token),
+            "{case}: the forced release freed the holder's lock"
+        );
+        let got = within(
+            SOON,
+            &format!("{case}: the holder told of a forced release (its ttl is {ttl:?})"),
+            call,
+        )
+        .await
+        .unwrap();
+        crate::support::assert_lost_as(&got, &lock_core::LossCause::Taken, case);
+        assert!(
+            counting.calls(Step::Extend) > extensions,
+            "{case}: an extension found the key gone"
+        );
+    }
+}
