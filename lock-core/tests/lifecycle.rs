@@ -13,6 +13,8 @@ use lock_core::{
 };
 use lock_memory::MemoryBackend;
 
+/// A runtime of its own (on the real clock: two runtimes' paused clocks
+/// would not agree on the lock's expiry).
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -24,7 +26,9 @@ fn runtime() -> tokio::runtime::Runtime {
 fn a_locker_outliving_its_first_runtime_still_extends() {
     let backend = MemoryBackend::new();
     let locker = Locker::new(backend.clone());
-    let cfg = LockConfig::default().ttl(Duration::from_millis(300));
+    // A ttl long enough that a loaded machine does not make an extension
+    // late: a stall of two thirds of it would.
+    let cfg = LockConfig::default().ttl(Duration::from_secs(1));
     // The first runtime starts the extender, then goes away with it.
     runtime().block_on(async {
         locker
@@ -38,7 +42,7 @@ fn a_locker_outliving_its_first_runtime_still_extends() {
     runtime().block_on(async {
         let got = locker
             .with_lock_config("job", &cfg, |ctx| async move {
-                tokio::time::sleep(Duration::from_millis(900)).await;
+                tokio::time::sleep(Duration::from_secs(3)).await;
                 ctx.is_lost()
             })
             .await;
@@ -207,7 +211,7 @@ async fn failed_attempts_are_released_once_the_store_answers() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_reentrant_call_races_the_loss_of_the_outer_lock() {
     let backend = lock_conformance::FaultInjector::new(MemoryBackend::new());
     let locker = Locker::new(backend.clone());
