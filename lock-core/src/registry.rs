@@ -296,21 +296,22 @@ impl Registry {
         Some(id)
     }
 
-    /// Moves a callback's lock's next extension to now: the store announced
-    /// a release of its key, which only someone else (an operator's force
-    /// release) can have made while this node holds it \[L5\]. The
-    /// extension's answer tells: still ours, or lost (`Taken`). An
-    /// extension on its way is answered first, then the lock is checked
-    /// again. False once the lock left the registry.
+    /// Moves a callback's lock's next extension to now: the store may have
+    /// freed the key without this node (an operator's force release)
+    /// \[L5\]. The extension's answer tells: still ours, or lost (`Taken`).
+    /// An extension on its way is answered first, then the lock is checked
+    /// again at once. False once the lock left the registry.
     pub(crate) fn check_now(&self, id: u64) -> bool {
         let mut s = self.lock();
         let Some(e) = s.entries.get_mut(&id) else {
             return false;
         };
+        let now = Instant::now();
         let wake = match e.due {
+            Some(due) if due <= now => false,
             Some(due) => {
                 s.schedule.remove(&(due, id));
-                s.schedule(id, Instant::now())
+                s.schedule(id, now)
             }
             None if e.held.is_extending() => {
                 e.recheck = true;
@@ -318,7 +319,7 @@ impl Registry {
             }
             // Not scheduled yet: scheduled now, which the extender's next
             // look keeps.
-            None => s.schedule(id, Instant::now()),
+            None => s.schedule(id, now),
         };
         drop(s);
         if wake {
