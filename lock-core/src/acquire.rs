@@ -182,6 +182,13 @@ enum Token<'r> {
 /// notifications are watched \[L5\].
 pub(crate) const WATCH_OWN_KEY_AFTER: Duration = Duration::from_millis(250);
 
+/// How soon after the watch is in place a held lock is checked once, for a
+/// release announced before \[L5\]: with the delay, within a second of
+/// the acquisition. Not at once, so that the checks of locks taken
+/// together join their extensions' batches rather than wake the extender
+/// one by one \[P4\].
+const FIRST_CHECK_WITHIN: Duration = Duration::from_millis(750);
+
 /// A lock held for a callback, with the key's pass. Dropping it releases
 /// the lock in the background \[C2\], then lets the next task of this
 /// node in (the fields drop in this order).
@@ -295,7 +302,16 @@ impl<'a> Holding<'a> {
             loop {
                 match inner.backend.watch_release(self.held.lease.key()).await {
                     Ok(mut watch) => {
-                        while inner.registry.check_now(id) {
+                        // Once in place, a release announced before it is
+                        // found by a check within the bound (or by the
+                        // extension due by then); after that each
+                        // notification is checked at once, at most one
+                        // per watch delay (on etcd a waiter's busy attempt
+                        // also notifies).
+                        let mut within = FIRST_CHECK_WITHIN;
+                        while inner.registry.check_within(id, within) {
+                            within = Duration::ZERO;
+                            tokio::time::sleep(WATCH_OWN_KEY_AFTER).await;
                             watch.released().await;
                         }
                         break;

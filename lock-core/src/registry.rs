@@ -296,30 +296,33 @@ impl Registry {
         Some(id)
     }
 
-    /// Moves a callback's lock's next extension to now: the store may have
-    /// freed the key without this node (an operator's force release)
-    /// \[L5\]. The extension's answer tells: still ours, or lost (`Taken`).
-    /// An extension on its way is answered first, then the lock is checked
-    /// again at once. False once the lock left the registry.
-    pub(crate) fn check_now(&self, id: u64) -> bool {
+    /// Makes sure a callback's lock is checked within `within` from now:
+    /// the store may have freed the key without this node (an operator's
+    /// force release) \[L5\]. The extension's answer tells: still ours, or
+    /// lost (`Taken`). A lock already due by then is left as it is, so
+    /// that checks of locks taken together go out in one batch with their
+    /// extensions; an extension on its way is answered first, then the
+    /// lock is checked again at once. False once the lock left the
+    /// registry.
+    pub(crate) fn check_within(&self, id: u64, within: Duration) -> bool {
         let mut s = self.lock();
         let Some(e) = s.entries.get_mut(&id) else {
             return false;
         };
-        let now = Instant::now();
+        let by = Instant::now() + within;
         let wake = match e.due {
-            Some(due) if due <= now => false,
+            Some(due) if due <= by => false,
             Some(due) => {
                 s.schedule.remove(&(due, id));
-                s.schedule(id, now)
+                s.schedule(id, by)
             }
             None if e.held.is_extending() => {
                 e.recheck = true;
                 false
             }
-            // Not scheduled yet: scheduled now, which the extender's next
-            // look keeps.
-            None => s.schedule(id, now),
+            // Not scheduled yet: its first extension, if due by then.
+            None if e.held.extension_due() <= by => false,
+            None => s.schedule(id, by),
         };
         drop(s);
         if wake {
