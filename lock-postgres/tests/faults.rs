@@ -1,7 +1,7 @@
 //! Faults on real PostgreSQL servers, each asserting the outcome the spec
 //! names: connections cut while a callback runs (survived, or lost with the
-//! sqlx error as cause when the server stays down), the row taken over by
-//! hand, the database unreachable during acquisition.
+//! sqlx error as cause when the server stays down), the row taken, freed
+//! or deleted by hand, the database unreachable during acquisition.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -157,55 +157,78 @@ async fn server_down_past_validity_loses_with_a_backend_cause() {
     );
 }
 
-/// Another owner takes the row by hand (an `UPDATE`) while a callback runs:
-/// lost at the next extension with cause Taken, and the loser's release
-/// leaves the new owner's row alone.
+/// SPEC L1: while a callback runs, the row is changed by hand: taken by
+/// another owner, set free, or deleted. Each is lost at the next extension
+/// with cause `Taken` (the lock was still valid, so it cannot have
+/// expired), and the loser's release leaves the row as the hand left it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn row_taken_by_hand_is_lost_as_taken() {
+async fn l1_row_taken_freed_or_deleted_by_hand_is_lost_as_taken() {
     let backend = Arc::new(TestBackend::new(&database_url()).await.unwrap());
     let a = node(Arc::clone(&backend), "a");
-    let key = key("taken");
-    let steal = format!(
-        "UPDATE {} SET locked_by = 'intruder', \
-         locked_until = clock_timestamp() AT TIME ZONE 'UTC' + interval '1 hour', \
-         sequence = sequence + 1 WHERE key = $1",
-        backend.qualified_table()
-    );
-    let pool = backend.pool().clone();
-    let k = key.clone();
-    let got = tokio::time::timeout(
-        SOON,
-        a.with_lock_config(
-            &key,
-            &LockConfig::default().ttl(Duration::from_millis(600)),
-            |ctx| async move {
-                let stolen = sqlx::query(&steal).bind(&k).execute(&pool).await.unwrap();
-                assert_eq!(stolen.rows_affected(), 1);
+    let table = backend.qualified_table();
+    let edits = [
+        (
+            "taken",
+            format!(
+                "UPDATE {table} SET locked_by = 'intruder', \
+                 locked_until = clock_timestamp() AT TIME ZONE 'UTC' + interval '1 hour', \
+                 sequence = sequence + 1 WHERE key = $1"
+            ),
+            Some("intruder"),
+        ),
+        (
+            "freed",
+            format!("UPDATE {table} SET locked_by = NULL WHERE key = $1"),
+            None,
+        ),
+        (
+            "deleted",
+            format!("DELETE FROM {table} WHERE key = $1"),
+            None,
+        ),
+    ];
+    for (what, edit, left_holder) in edits {
+        let key = key(what);
+        let pool = backend.pool().clone();
+        let k = key.clone();
+        // A ttl long enough that a busy machine sends the next extension
+        // well within the validity: the cause is then the store's answer.
+        let cfg = LockConfig::default().ttl(Duration::from_secs(3));
+        let got = tokio::time::timeout(
+            SOON,
+            a.with_lock_config(&key, &cfg, |ctx| async move {
+                let changed = sqlx::query(&edit).bind(&k).execute(&pool).await.unwrap();
+                assert_eq!(changed.rows_affected(), 1, "{what}: the row was there");
                 ctx.lost().await
-            },
-        ),
-    )
-    .await
-    .expect("loss reported in time");
-    assert!(
-        matches!(
-            got,
-            Err(LockError::Lost {
-                cause: LossCause::Taken,
-                ..
-            })
-        ),
-        "got {got:?}"
-    );
-    let holder: Option<String> = sqlx::query_scalar(&format!(
-        "SELECT locked_by FROM {} WHERE key = $1",
-        backend.qualified_table()
-    ))
-    .bind(&key)
-    .fetch_one(backend.pool())
-    .await
-    .unwrap();
-    assert_eq!(holder.as_deref(), Some("intruder"));
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{what}: loss reported in time"));
+        assert!(
+            matches!(
+                got,
+                Err(LockError::Lost {
+                    cause: LossCause::Taken,
+                    ..
+                })
+            ),
+            "{what}: got {got:?}"
+        );
+        let row: Option<Option<String>> =
+            sqlx::query_scalar(&format!("SELECT locked_by FROM {table} WHERE key = $1"))
+                .bind(&key)
+                .fetch_optional(backend.pool())
+                .await
+                .unwrap();
+        match what {
+            "deleted" => assert_eq!(row, None, "an extension never re-creates the row"),
+            _ => assert_eq!(
+                row,
+                Some(left_holder.map(str::to_owned)),
+                "{what}: the row is as the hand left it"
+            ),
+        }
+    }
 }
 
 /// The database unreachable during acquisition: NotAcquired with the sqlx

@@ -347,9 +347,14 @@ pub(crate) fn is_auth_refusal(error: &redis::RedisError) -> bool {
 
 /// The error of a connection that could not be made: kind `Setup` when
 /// trying again cannot help (credentials refused, a server certificate the
-/// given CA did not sign) \[A8\], else `Unavailable` (nothing was sent).
+/// given CA did not sign, a database index the server does not have)
+/// \[A8\], else `Unavailable` (nothing was sent).
 pub(crate) fn connection_error(error: redis::RedisError) -> lock_core::BackendError {
-    if is_auth_refusal(&error) || error.to_string().contains("invalid peer certificate") {
+    let text = error.to_string();
+    if is_auth_refusal(&error)
+        || text.contains("invalid peer certificate")
+        || text.contains("DB index is out of range")
+    {
         lock_core::BackendError::setup(error)
     } else {
         lock_core::BackendError::unavailable(error)

@@ -46,6 +46,50 @@ async fn from_url_connects_nothing_and_connect_checks_the_server() {
         .unwrap();
 }
 
+/// SPEC A8: a database index the server does not have is a setup error:
+/// `connect` says so, and a lock call ends after one attempt with it as
+/// the source instead of retrying it as an outage.
+#[tokio::test]
+async fn a8_a_database_index_out_of_range_is_a_setup_error() {
+    let url = server_url().await;
+    let host = url
+        .split_once("://")
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let url = format!("redis://{host}/9999");
+    let err = RedisBackend::connect(&url).await.expect_err("no db 9999");
+    match &err {
+        SetupError::Connect(source) => {
+            assert_eq!(source.kind(), BackendErrorKind::Setup, "{source}");
+            assert!(source.is_permanent());
+        }
+        other => panic!("expected Connect, got {other:?}"),
+    }
+    assert!(
+        format!("{:?}", std::error::Error::source(&err)).contains("DB index is out of range"),
+        "the server's reason is kept: {err:?}"
+    );
+    let locker = Locker::new(RedisBackend::from_url(&url).unwrap());
+    let cfg = LockConfig::default()
+        .retry_attempts(10)
+        .retry_delay(Duration::from_millis(10));
+    match locker
+        .with_lock_config("db-out-of-range", &cfg, |_| async {})
+        .await
+    {
+        Err(lock_core::LockError::NotAcquired {
+            attempts,
+            source: Some(source),
+            ..
+        }) => {
+            assert_eq!(attempts, 1, "a setup error is not retried");
+            assert_eq!(source.kind(), BackendErrorKind::Setup);
+        }
+        other => panic!("expected NotAcquired with a setup error, got {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pub_sub_client_on_another_server_is_detected() {
     let shared = server_url().await;
