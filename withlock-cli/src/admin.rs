@@ -121,7 +121,7 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, Failure> {
 }
 
 /// `withlock migrate`: creates the PostgreSQL lock table if it is
-/// missing; nothing to do on Redis.
+/// missing; nothing to do on Redis or etcd.
 pub(crate) async fn migrate(args: MigrateArgs) -> Result<u8, Failure> {
     Scheme::of(&args.store.url)?;
     let store = Store::open(&args.store).await?;

@@ -49,6 +49,10 @@ Backends, by URL scheme:
   postgres://, postgresql://
       one row per key in a table, created once by `withlock migrate`
       (`run` never creates it); see --schema and --table
+  etcd://[user:pass@]host[:port][,host[:port]…], etcds://…
+      an etcd cluster (3.4 or later), in the key layout of etcd's own lock,
+      so that `etcdctl lock KEY` and withlock exclude each other; the port
+      defaults to 2379; etcds:// is TLS, checked against the system's roots
 The URL may be read from a file (--url-file, WITHLOCK_URL_FILE), so that
 no password shows in `ps`. Every backend has the same list, inspect,
 status and release commands.";
@@ -93,8 +97,9 @@ pub(crate) enum Command {
     /// Only a withlock lock is freed (on Redis: a string holding an owner
     /// token `<node id>/<32 hex>`, with an expiry and a fencing counter; on
     /// PostgreSQL: a held row of withlock or Ruby Locker, with
-    /// locked_until). Anything else is refused with exit 65 and left as it
-    /// was. The release is announced as a release is, so waiters take the
+    /// locked_until; on etcd: a holder whose value is a withlock owner
+    /// token, not one of `etcdctl lock`). Anything else is refused with
+    /// exit 65 and left as it was. The release is announced as a release is, so waiters take the
     /// key at once; the holder finds the lock gone at its next extension:
     /// meant for a holder known to be dead.
     #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
@@ -108,7 +113,8 @@ pub(crate) enum Command {
     ///
     /// The schema must exist, and the role must be allowed to create the
     /// table; `run` then needs only SELECT, INSERT, UPDATE and DELETE on the
-    /// table and USAGE on its id sequence. Idempotent. Redis needs nothing.
+    /// table and USAGE on its id sequence. Idempotent. Redis and etcd need
+    /// nothing.
     #[command(after_long_help = STORE_HELP)]
     Migrate(MigrateArgs),
     /// Internal: the supervisor `run` starts CMD through.
@@ -135,8 +141,9 @@ impl Command {
 #[derive(Debug, Args)]
 pub(crate) struct StoreArgs {
     /// The lock backend: redis://, rediss://, redis+cluster://,
-    /// rediss+cluster://, redis+sentinel://, postgres:// or postgresql://
-    /// (see below; never printed: it may hold a password).
+    /// rediss+cluster://, redis+sentinel://, postgres://, postgresql://,
+    /// etcd:// or etcds:// (see below; never printed: it may hold a
+    /// password).
     #[arg(
         long = "url",
         env = "WITHLOCK_URL",

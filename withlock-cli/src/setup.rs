@@ -6,6 +6,8 @@
 
 use std::error::Error as StdError;
 
+use lock_etcd::etcd_client;
+use lock_etcd::EtcdConfig;
 use lock_postgres::sqlx::postgres::PgConnectOptions;
 use lock_postgres::sqlx::{self, ConnectOptions, Connection};
 use lock_postgres::PostgresConfig;
@@ -67,6 +69,26 @@ fn refusal_of(error: &(dyn StdError + 'static)) -> Option<Refusal> {
     if let Some(redis) = error.downcast_ref::<lock_redis::SetupError>() {
         return match redis {
             lock_redis::SetupError::AuthenticationRefused { .. } => Some(Refusal::Permission),
+            _ => None,
+        };
+    }
+    if let Some(lock_etcd::SetupError::Refused(_)) = error.downcast_ref::<lock_etcd::SetupError>() {
+        return Some(Refusal::Permission);
+    }
+    if let Some(etcd_client::Error::GRpcStatus(status)) = error.downcast_ref::<etcd_client::Error>()
+    {
+        // etcd answers a wrong password, and a request without a user
+        // while authentication is on, with InvalidArgument.
+        return match status.code() {
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                Some(Refusal::Permission)
+            }
+            tonic::Code::InvalidArgument
+                if status.message().contains("authentication failed")
+                    || status.message().contains("user name is empty") =>
+            {
+                Some(Refusal::Permission)
+            }
             _ => None,
         };
     }
@@ -171,6 +193,87 @@ pub(crate) async fn redis_server(url: &str, config: RedisConfig) -> Result<Redis
     }
 }
 
+/// The config of an `etcd://` or `etcds://` URL, as lock-etcd reads it
+/// (the scheme in any case), every endpoint's port checked: the URI parser
+/// would drop a port past 65535 and dial port 80 instead.
+pub(crate) fn etcd_config(url: &str) -> Result<EtcdConfig, Failure> {
+    let url = match url.split_once("://") {
+        Some((scheme, rest)) => format!("{}://{rest}", scheme.to_ascii_lowercase()),
+        None => url.to_owned(),
+    };
+    let config =
+        EtcdConfig::from_url(&url).map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))?;
+    // lock-etcd ends every endpoint with `:PORT`, adding `:2379`.
+    let port_ok = |endpoint: &String| {
+        endpoint
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .is_some_and(|port| port != 0)
+    };
+    if !config.endpoints.iter().all(port_ok) {
+        return Err(Failure::usage(
+            "--url: invalid etcd URL: a port is not a number from 1 to 65535",
+        ));
+    }
+    Ok(config)
+}
+
+/// A failure of connecting to etcd: an endpoint that is no URI is a
+/// usage failure (64), refused credentials or rights 77, no endpoint
+/// answering 69.
+pub(crate) fn etcd_failure(error: &lock_etcd::SetupError) -> Failure {
+    use lock_etcd::SetupError;
+    match error {
+        SetupError::InvalidUrl { .. } | SetupError::InvalidConfig { .. } => {
+            Failure::usage(format!("--url: {}", Chain(error)))
+        }
+        SetupError::Connect {
+            source:
+                Some(
+                    source @ (etcd_client::Error::InvalidUri(_)
+                    | etcd_client::Error::InvalidArgs(_)),
+                ),
+            ..
+        } => Failure::usage(format!("--url: invalid etcd URL: {}", etcd_words(source))),
+        SetupError::Refused(source) => Failure::new(
+            exit::NO_PERMISSION,
+            format!("{error}: {}", etcd_words(source)),
+        ),
+        _ => match (refusal(error), error) {
+            (None, SetupError::Connect { endpoints, source }) => Failure::new(
+                exit::UNAVAILABLE,
+                format!(
+                    "could not reach etcd at {}: {}",
+                    endpoints.join(", "),
+                    source
+                        .as_ref()
+                        .map_or_else(|| "no answer in time".to_owned(), etcd_words)
+                ),
+            ),
+            (refusal, _) => Failure::new(
+                refusal.map_or(exit::UNAVAILABLE, Refusal::code),
+                Words(error).to_string(),
+            ),
+        },
+    }
+}
+
+/// An etcd client error in few words: the system's for a connection that
+/// failed, etcd's own message for an answer.
+fn etcd_words(error: &etcd_client::Error) -> String {
+    let etcd_client::Error::GRpcStatus(status) = error else {
+        return error.to_string();
+    };
+    let mut next = StdError::source(status);
+    while let Some(cause) = next {
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return io_text(io);
+        }
+        next = cause.source();
+    }
+    status.message().to_owned()
+}
+
 /// Opens one connection to the PostgreSQL server `options` name and
 /// closes it, so that a failure is told in the server's or the system's
 /// words (a pool would only say it timed out): a refused connection names
@@ -246,5 +349,37 @@ mod tests {
             "DB index is out of range".to_owned(),
         ));
         assert_eq!(refusal(&range), Some(Refusal::Config));
+    }
+
+    #[test]
+    fn etcd_refusals_are_permission() {
+        let wrong = etcd_client::Error::GRpcStatus(tonic::Status::invalid_argument(
+            "etcdserver: authentication failed, invalid user ID or password",
+        ));
+        assert_eq!(refusal(&wrong), Some(Refusal::Permission));
+        let denied = lock_core::BackendError::setup(etcd_client::Error::GRpcStatus(
+            tonic::Status::permission_denied("etcdserver: permission denied"),
+        ));
+        assert_eq!(refusal(&denied), Some(Refusal::Permission));
+        let down = etcd_client::Error::GRpcStatus(tonic::Status::unavailable("no leader"));
+        assert_eq!(refusal(&down), None);
+    }
+
+    #[test]
+    fn etcd_urls_are_lock_etcds_with_ports_checked() {
+        let config = etcd_config("ETCD://u:p@a:1,b").unwrap();
+        assert_eq!(config.endpoints, ["http://a:1", "http://b:2379"]);
+        for bad in [
+            "etcd://",
+            "etcd://a:99999",
+            "etcd://a:0",
+            "etcd://a,,b",
+            "etcd://h/x",
+        ] {
+            let failure = etcd_config(bad).unwrap_err();
+            assert_eq!(failure.code, exit::USAGE, "{bad}");
+        }
+        let failure = etcd_config("etcd://u:hunter2@a:99999").unwrap_err();
+        assert!(!failure.message.contains("hunter2"), "{}", failure.message);
     }
 }

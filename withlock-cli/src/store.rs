@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use lock_core::{DynLockBackend, LockAdmin, LockError, Locker, LockerOptions};
+use lock_etcd::EtcdBackend;
 use lock_postgres::sqlx::postgres::PgConnectOptions;
 use lock_postgres::{PostgresBackend, PostgresConfig};
 use lock_redis::{RedisClusterBackend, RedisConfig, RedisSentinelBackend};
@@ -15,7 +16,7 @@ use crate::setup;
 
 /// The schemes `--url` may have, for messages.
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
-                       redis+sentinel://, postgres:// or postgresql://";
+                       redis+sentinel://, postgres://, postgresql://, etcd:// or etcds://";
 
 /// The backends the command knows, by URL scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +29,8 @@ pub(crate) enum Scheme {
     /// `redis+sentinel://`.
     RedisSentinel,
     Postgres,
+    /// `etcd://` or `etcds://` (TLS).
+    Etcd,
 }
 
 impl Scheme {
@@ -45,6 +48,7 @@ impl Scheme {
             "rediss+cluster" => Ok(Self::RedisCluster { tls: true }),
             "redis+sentinel" => Ok(Self::RedisSentinel),
             "postgres" | "postgresql" => Ok(Self::Postgres),
+            "etcd" | "etcds" => Ok(Self::Etcd),
             _ => Err(Failure::usage(format!(
                 "--url has the unknown scheme {:?}: expected {SCHEMES}",
                 scheme.chars().take(32).collect::<String>()
@@ -127,7 +131,9 @@ impl Store {
     /// cannot be reached is "unavailable" (69), one that refuses the login
     /// 77, a missing database or a Redis database index out of range 78.
     /// A single Redis server is asked for a `PING` here, and reached again
-    /// at the first call if it did not answer; PostgreSQL connects here.
+    /// at the first call if it did not answer; PostgreSQL and etcd connect
+    /// here (etcd also grants and revokes a lease, so a user without the
+    /// right to is refused here).
     pub(crate) async fn open(args: &StoreArgs) -> Result<Self, Failure> {
         let redis_config = || RedisConfig::default().prefix(args.redis_prefix.clone());
         let bad_url = |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", Chain(&e)));
@@ -178,6 +184,13 @@ impl Store {
                     postgres: Some(backend.clone()),
                     ..Self::new("PostgreSQL", backend)
                 })
+            }
+            Scheme::Etcd => {
+                let config = setup::etcd_config(&args.url)?;
+                EtcdBackend::connect(config)
+                    .await
+                    .map(|b| Self::new("etcd", b))
+                    .map_err(|e| setup::etcd_failure(&e))
             }
         }
     }
@@ -234,6 +247,8 @@ mod tests {
         );
         assert_eq!(Scheme::of("postgres://u@h/db").unwrap(), Scheme::Postgres);
         assert_eq!(Scheme::of("PostgreSQL://u@h/db").unwrap(), Scheme::Postgres);
+        assert_eq!(Scheme::of("etcd://h:2379,h2").unwrap(), Scheme::Etcd);
+        assert_eq!(Scheme::of("etcds://u:p@h").unwrap(), Scheme::Etcd);
     }
 
     #[test]
