@@ -99,9 +99,10 @@ pub(crate) enum Command {
     /// PostgreSQL: a held row of withlock or Ruby Locker, with
     /// locked_until; on etcd: a holder whose value is a withlock owner
     /// token, not one of `etcdctl lock`). Anything else is refused with
-    /// exit 65 and left as it was. The release is announced as a release is, so waiters take the
-    /// key at once; the holder finds the lock gone at its next extension:
-    /// meant for a holder known to be dead.
+    /// exit 65 and left as it was. The release is announced as a release
+    /// is, so waiters take the key at once, and a live holder's `withlock
+    /// run` finds the lock gone within about a second and ends its command
+    /// (exit 79): meant for a holder known to be dead or stuck.
     #[command(after_long_help = format!("{STORE_HELP}\n\n{EXIT_CODES}"))]
     Release(ReleaseArgs),
     /// Whether KEY is held: exit 0 when it is, 1 when it is free.
