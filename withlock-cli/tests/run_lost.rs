@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{alive, appears, code, stderr, Scratch, Store};
+use common::{alive, appears, code, stderr, Scratch, Store, Tamper};
 
 /// The command exits 0 on SIGTERM: withlock still says "lost".
 async fn a_stolen_lock_terminates_the_command(store: Store) {
@@ -83,7 +83,40 @@ async fn a_command_ignoring_sigterm_is_killed_after_grace(store: Store) {
     assert!(stderr(&output).contains("signal: 9"), "{}", stderr(&output));
 }
 
+/// SPEC L1: the key deleted or freed by hand while still valid: the
+/// command is terminated and withlock names the cause as taken, never as
+/// an expiry (the ttl, 6 s, is not over).
+async fn l1_a_key_deleted_or_freed_while_valid_is_reported_taken(store: Store) {
+    for how in [Tamper::Delete, Tamper::Free] {
+        let key = store.key(&format!("{how:?}"));
+        let scratch = Scratch::new();
+        let script = format!(
+            "echo $$ > {pid}; while :; do sleep 0.05; done",
+            pid = scratch.sh("pid"),
+        );
+        let child = store
+            .cmd("run")
+            .args(["--ttl", "6s", "--key", &key, "--", "sh", "-c", &script])
+            .spawn()
+            .unwrap();
+        let pid: i32 = appears(&scratch.path("pid")).await.trim().parse().unwrap();
+        store.tamper(&key, how).await;
+        // Found by the next extension (every 2 s) or sooner by the key
+        // watch's check: within the ttl either way.
+        let output = tokio::time::timeout(Duration::from_secs(6), common::wait(child))
+            .await
+            .unwrap_or_else(|_| panic!("{how:?}: the loss was not found within the ttl"));
+        let message = stderr(&output);
+        assert_eq!(code(&output), 79, "{how:?}: {message}");
+        assert!(!alive(pid), "{how:?}: the command survived");
+        assert!(message.contains("lost the lock"), "{how:?}: {message}");
+        assert!(message.contains("deleted or freed"), "{how:?}: {message}");
+        assert!(!message.contains("expired"), "{how:?}: {message}");
+    }
+}
+
 on_every_backend!(
+    l1_a_key_deleted_or_freed_while_valid_is_reported_taken,
     a_stolen_lock_terminates_the_command,
     a_command_ignoring_sigterm_is_killed_after_grace,
 );

@@ -215,6 +215,49 @@ impl Store {
     }
 }
 
+/// How a key is taken from its holder by hand, without another owner.
+#[derive(Clone, Copy, Debug)]
+pub enum Tamper {
+    /// `DEL` on Redis, `DELETE` of the row on PostgreSQL.
+    Delete,
+    /// The row set free (`locked_by = NULL`) on PostgreSQL; `DEL` on Redis,
+    /// which has no free state.
+    Free,
+}
+
+impl Store {
+    /// Frees or deletes `key` by hand while it is held.
+    pub async fn tamper(&self, key: &str, how: Tamper) {
+        match self {
+            Self::Redis { backend, .. } => {
+                let mut conn = backend.pool().get().await.unwrap();
+                let deleted: i64 = redis::cmd("DEL")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert_eq!(deleted, 1, "{key} was not held");
+            }
+            Self::Postgres { backend, .. } => {
+                let table = backend.qualified_table();
+                let sql = match how {
+                    Tamper::Delete => format!("DELETE FROM {table} WHERE key = $1"),
+                    Tamper::Free => format!(
+                        "UPDATE {table} SET locked_by = NULL \
+                         WHERE key = $1 AND locked_by IS NOT NULL"
+                    ),
+                };
+                let done = sqlx::query(&sql)
+                    .bind(key)
+                    .execute(backend.pool())
+                    .await
+                    .unwrap();
+                assert_eq!(done.rows_affected(), 1, "{key} was not held");
+            }
+        }
+    }
+}
+
 /// `withlock ARGS…` with no `WITHLOCK_*` from the test's environment, no
 /// stdin, and stdout and stderr captured.
 pub fn withlock<I, S>(args: I) -> Command
