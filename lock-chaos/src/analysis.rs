@@ -218,8 +218,26 @@ impl<'l> Analysis<'l> {
 
     /// Losses per the fault that touched them, and \[L4\] where checked.
     fn losses(&mut self) {
+        let stopping: HashMap<u32, u64> = self
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Shutdown(r) => Some((r.worker, r.t_signal)),
+                _ => None,
+            })
+            .collect();
         for s in self.sections.clone() {
             if s.outcome != Outcome::Lost {
+                continue;
+            }
+            // Cut off by its worker's graceful shutdown [S1].
+            if stopping.get(&s.worker).is_some_and(|&t| s.t_return >= t) {
+                *self
+                    .report
+                    .summary
+                    .losses_by_fault
+                    .entry("shutdown".to_owned())
+                    .or_insert(0) += 1;
                 continue;
             }
             let touching: Vec<&Fault> = self

@@ -116,7 +116,8 @@ pub struct Summary {
     /// Lost calls per the fault that touched them: `worker_stop` when the
     /// holder itself was stopped, else the kind of a fault on the key's
     /// store (on Redis Cluster: the key's master) from the call to a
-    /// couple of ttls after the heal; `none` when no fault did.
+    /// couple of ttls after the heal; `shutdown` when the worker's
+    /// graceful shutdown cut it off; `none` when no fault did.
     #[serde(default)]
     pub losses_by_fault: BTreeMap<String, usize>,
     /// Pairs of sections on one key that overlapped in time.

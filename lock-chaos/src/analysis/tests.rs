@@ -624,3 +624,20 @@ fn a_loss_on_the_faulted_masters_key_or_of_a_stopped_holder_is_allowed() {
         (Some(&1), Some(&1), None)
     );
 }
+
+#[test]
+fn a_loss_by_the_workers_own_shutdown_is_no_unfaulted_loss() {
+    let mut events = on_a_cluster(clean_log());
+    // Returns at 60.0805 s, after w1's shutdown began at 60 s.
+    events.push(Event::Section(section(
+        1,
+        9000,
+        6000,
+        59_990,
+        60_080,
+        Outcome::Lost,
+    )));
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.losses_by_fault.get("shutdown"), Some(&1));
+}
