@@ -382,10 +382,12 @@ mod tests {
             (Backend::RedisCluster, Duration::from_secs(2), 6)
         );
         assert_eq!(run.faults, [FaultKind::MasterStop, FaultKind::MasterKill]);
-        let Command::Run(run) = parse(&strings("run --backend etcd")).unwrap() else {
+        let Command::Run(run) =
+            parse(&strings("run --backend redis-cluster --faults worker_stop")).unwrap()
+        else {
             panic!("not run")
         };
-        assert!(!run.faults.contains(&FaultKind::FollowerStop));
+        assert_eq!(run.faults, [FaultKind::WorkerStop]);
         let Command::Run(run) = parse(&strings(
             "run --backend etcd --faults follower_stop,leader_kill",
         ))

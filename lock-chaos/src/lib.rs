@@ -54,8 +54,7 @@
 //! | `pg_restart` | PostgreSQL | `pg_ctl stop -m immediate` (a crash), then start |
 //! | `pg_delete_rows` | PostgreSQL | `DELETE` of every lock row: locks and `sequence` counters gone |
 //! | `leader_kill`, `follower_kill` | etcd | SIGKILL of the leader / a follower (in turn) for 2.5 ttl, then a restart on its data |
-//! | `leader_stop` | etcd | SIGSTOP of the leader for 2.5 ttl (far past the 100 ms election timeout), then SIGCONT |
-//! | `follower_stop` | etcd, only with `--faults` | the same for a follower (a minority) |
+//! | `leader_stop`, `follower_stop` | etcd | SIGSTOP of the leader / a follower (a minority) for 2.5 ttl (far past the 100 ms election timeout), then SIGCONT |
 //! | `master_stop` | Redis Cluster | SIGSTOP of a master (in turn) until its replica is promoted, then SIGCONT; it rejoins as a replica |
 //! | `master_kill` | Redis Cluster | SIGKILL of a master until its replica is promoted, then a restart, empty; it rejoins as a replica |
 //!
