@@ -14,6 +14,16 @@
 //! And two the driver's contract implies: [`Check::Context`] (`with_lock`'s
 //! outcome and `ctx.is_lost()` agree \[O6\]) and [`Check::Shutdown`]
 //! (every worker shut down in time and released everything \[S1, S3\]).
+//! Where a fault touches some keys only (a Redis Cluster master),
+//! [`Check::UnfaultedLoss`]: a lock whose key's store and holder no fault
+//! touched is never reported lost \[L4\].
+//!
+//! A store that loses a lock's write (Redis restarted empty, a Redis
+//! Cluster failover to a replica that missed it, or the old master
+//! answering for a moment after it resumed) can have two holders at once
+//! with neither told. Such an overlap is counted apart if the fence
+//! stopped it: no write of the lower token was accepted after one of the
+//! higher; otherwise it is an exclusion violation.
 //!
 //! A section's critical section is its callback, from its first to its
 //! last instant: the lock is taken before the first and released after the
@@ -22,7 +32,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::event::{
-    Event, Fault, FaultKind, LeakCheck, Outcome, RunInfo, RunLog, Section, WriteResult,
+    Event, Fault, FaultKind, FencedWrite, LeakCheck, Outcome, RunInfo, RunLog, Section, WriteResult,
 };
 
 mod report;
@@ -35,10 +45,18 @@ pub const DEFAULT_LIVENESS_BOUND_MS: u64 = 5_000;
 /// Slack on top of grace and release timeout that a shutdown may take.
 pub const SHUTDOWN_SLACK_MS: u64 = 1_000;
 
+/// The lock ttl when the log has no [`RunInfo`].
+pub const DEFAULT_TTL_MS: u64 = 1_000;
+
+/// A fault touches the locks of its keys from its start until this many
+/// ttls after its heal: a holder finds its loss at its next extension.
+pub const FAULT_REACH_TTLS: u64 = 2;
+
 /// Runs every check over `log`.
 pub fn analyse(log: &RunLog) -> Report {
     let mut a = Analysis::new(log);
     a.count_outcomes();
+    a.losses();
     a.exclusion();
     a.token_order();
     a.refused_writes();
@@ -58,6 +76,9 @@ struct Analysis<'l> {
     begin: u64,
     end: u64,
     bound: u64,
+    /// The lock ttl, in µs.
+    ttl: u64,
+    check_unfaulted_losses: bool,
 }
 
 fn line(section: &Section) -> String {
@@ -84,6 +105,7 @@ impl<'l> Analysis<'l> {
             Some(r) => (r.t_begin, r.t_end, r.liveness_bound_ms * 1000),
             None => (first, last, DEFAULT_LIVENESS_BOUND_MS * 1000),
         };
+        let ttl = run.map_or(DEFAULT_TTL_MS, |r| r.ttl_ms) * 1000;
         let report = Report {
             summary: Summary {
                 run: run.cloned(),
@@ -102,6 +124,8 @@ impl<'l> Analysis<'l> {
             begin,
             end,
             bound,
+            ttl,
+            check_unfaulted_losses: run.is_some_and(|r| r.check_unfaulted_losses),
         }
     }
 
@@ -168,6 +192,106 @@ impl<'l> Analysis<'l> {
                 .any(|f| f.kind == FaultKind::ServerKill && f.t_start >= from && f.t_start <= to)
     }
 
+    /// Whether `f`, from its start to [`FAULT_REACH_TTLS`] after its heal,
+    /// overlaps `from..=to` and touches the lock of `section`: its holder
+    /// (`worker_stop`) or its key's store.
+    fn touches(&self, f: &Fault, section: &Section, from: u64, to: u64) -> bool {
+        let reach = f.t_end + FAULT_REACH_TTLS * self.ttl;
+        if f.t_start > to || reach < from {
+            return false;
+        }
+        match f.kind {
+            FaultKind::WorkerStop => f.target == format!("w{}", section.worker),
+            _ => f.keys.as_ref().is_none_or(|k| k.contains(&section.key)),
+        }
+    }
+
+    /// Whether a failover of the key's Redis Cluster master touches
+    /// `from..=to`: the promoted replica may have missed a lock's write,
+    /// and the old master answers as one for a moment after it resumes.
+    fn failover_under(&self, section: &Section, from: u64, to: u64) -> bool {
+        self.faults.iter().any(|f| {
+            matches!(f.kind, FaultKind::MasterStop | FaultKind::MasterKill)
+                && self.touches(f, section, from, to)
+        })
+    }
+
+    /// Losses per the fault that touched them, and \[L4\] where checked.
+    fn losses(&mut self) {
+        let stopping: HashMap<u32, u64> = self
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Shutdown(r) => Some((r.worker, r.t_signal)),
+                _ => None,
+            })
+            .collect();
+        for s in self.sections.clone() {
+            if s.outcome != Outcome::Lost {
+                continue;
+            }
+            // Cut off by its worker's graceful shutdown [S1].
+            if stopping.get(&s.worker).is_some_and(|&t| s.t_return >= t) {
+                *self
+                    .report
+                    .summary
+                    .losses_by_fault
+                    .entry("shutdown".to_owned())
+                    .or_insert(0) += 1;
+                continue;
+            }
+            let touching: Vec<&Fault> = self
+                .faults
+                .iter()
+                .copied()
+                .filter(|f| self.touches(f, s, s.t_call, s.t_return))
+                .collect();
+            let by = touching
+                .iter()
+                .find(|f| f.kind == FaultKind::WorkerStop)
+                .or(touching.first())
+                .map_or("none", |f| f.kind.name());
+            *self
+                .report
+                .summary
+                .losses_by_fault
+                .entry(by.to_owned())
+                .or_insert(0) += 1;
+            if by == "none" && self.check_unfaulted_losses {
+                let message = format!(
+                    "key {:?}: {} (token {}, called at {}) was reported lost ({}) at {}, \
+                     and no fault touched its key's store or its holder",
+                    s.key,
+                    s.id(),
+                    token(s),
+                    self.at(s.t_call),
+                    s.cause.as_deref().unwrap_or("no cause"),
+                    self.at(s.t_return),
+                );
+                self.report
+                    .add(Check::UnfaultedLoss, message, vec![line(s)]);
+            }
+        }
+    }
+
+    /// For two holders at once that nothing told, explained by the store
+    /// losing its data: the fence stopped them if no write of the lower
+    /// token was accepted after one of the higher.
+    fn fence_stopped(a: &Section, b: &Section) -> bool {
+        let (low, high) = if token(a) < token(b) { (a, b) } else { (b, a) };
+        if token(low) == token(high) {
+            return false;
+        }
+        fn accepted(s: &Section) -> impl Iterator<Item = &FencedWrite> {
+            s.held
+                .iter()
+                .flat_map(|h| h.writes.iter())
+                .filter(|w| w.result == WriteResult::Accepted)
+        }
+        let first_high = accepted(high).map(|w| w.t_done).min();
+        first_high.is_none_or(|t| accepted(low).all(|w| w.t_sent < t))
+    }
+
     /// Check 1.
     fn exclusion(&mut self) {
         for (key, v) in self.held_by_key() {
@@ -187,8 +311,27 @@ impl<'l> Analysis<'l> {
                         self.report.summary.overlaps_after_loss_report += 1;
                         continue;
                     }
-                    if self.store_lost_its_data_under(a) {
-                        self.report.summary.overlaps_after_data_loss += 1;
+                    let overlap_end = a_end.min(end(b));
+                    if self.store_lost_its_data_under(a)
+                        || self.failover_under(a, start(b), overlap_end)
+                    {
+                        if Self::fence_stopped(a, b) {
+                            self.report.summary.overlaps_after_data_loss += 1;
+                        } else {
+                            let message = format!(
+                                "key {key:?}: {} (token {}) and {} (token {}) held the lock at once \
+                                 from {} after the store lost its data, and the fence did not stop \
+                                 the older token: it accepted a write of the lower token after one \
+                                 of the higher",
+                                a.id(),
+                                token(a),
+                                b.id(),
+                                token(b),
+                                self.at(start(b)),
+                            );
+                            self.report
+                                .add(Check::Exclusion, message, vec![line(a), line(b)]);
+                        }
                         continue;
                     }
                     let message = format!(
@@ -266,7 +409,7 @@ impl<'l> Analysis<'l> {
                     self.report.summary.refused_by_told_holders += 1;
                     continue;
                 }
-                if self.store_lost_its_data_under(s) {
+                if self.store_lost_its_data_under(s) || self.failover_under(s, start(s), end(s)) {
                     self.report.summary.refused_after_data_loss += 1;
                     continue;
                 }

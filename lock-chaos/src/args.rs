@@ -10,8 +10,9 @@ use crate::event::FaultKind;
 /// The usage text.
 pub const USAGE: &str = "\
 usage:
-  chaos run --backend redis|postgres [--seconds 60] [--procs 3] [--tasks 4] [--keys 4]
-            [--ttl 1s] [--hold 200ms] [--grace 500ms] [--heal 3s] [--liveness-bound 5s]
+  chaos run --backend redis|postgres|etcd|redis-cluster [--seconds 60] [--procs 3]
+            [--tasks 4] [--keys 4 (redis-cluster: 6)]
+            [--ttl 1s (redis-cluster: 2s)] [--hold 200ms] [--grace 500ms] [--heal 3s] [--liveness-bound 5s]
             [--faults kind,kind…] [--fence-url URL] [--out DIR]
   chaos analyse DIR
   (chaos worker … is started by chaos run)
@@ -53,14 +54,39 @@ pub enum Backend {
     Redis,
     /// `lock-postgres`.
     Postgres,
+    /// `lock-etcd` on a 3-member cluster.
+    Etcd,
+    /// `lock-redis`'s `RedisClusterBackend` on 3 masters with a replica
+    /// each.
+    RedisCluster,
 }
 
 impl Backend {
-    /// `redis` or `postgres`.
+    /// `redis`, `postgres`, `etcd` or `redis-cluster`.
     pub fn name(self) -> &'static str {
         match self {
             Self::Redis => "redis",
             Self::Postgres => "postgres",
+            Self::Etcd => "etcd",
+            Self::RedisCluster => "redis-cluster",
+        }
+    }
+
+    /// The default lock ttl: 2 s on Redis Cluster, shorter than a failover
+    /// (`cluster-node-timeout` 2 s, then the election), 1 s elsewhere.
+    pub fn default_ttl(self) -> Duration {
+        match self {
+            Self::RedisCluster => Duration::from_secs(2),
+            _ => Duration::from_secs(1),
+        }
+    }
+
+    /// The default number of keys: 6 on Redis Cluster (two per master),
+    /// 4 elsewhere.
+    pub fn default_keys(self) -> u32 {
+        match self {
+            Self::RedisCluster => 6,
+            _ => 4,
         }
     }
 }
@@ -87,9 +113,9 @@ pub struct RunArgs {
     pub procs: u32,
     /// Tasks per worker. Default: 4.
     pub tasks: u32,
-    /// Keys. Default: 4.
+    /// Keys. Default: 4 (Redis Cluster: 6, spread evenly over the masters).
     pub keys: u32,
-    /// The lock ttl. Default: 1 s.
+    /// The lock ttl. Default: 1 s (Redis Cluster: 2 s).
     pub ttl: Duration,
     /// The longest ordinary hold; one section in eight holds one to two
     /// ttls instead, so that extensions run. Default: 200 ms.
@@ -102,7 +128,8 @@ pub struct RunArgs {
     /// How soon after a fault heals a fresh lock must complete; also the
     /// quiet time after the last fault. Default: 5 s.
     pub liveness_bound: Duration,
-    /// The faults to inject, in schedule order. Default: all of the backend's.
+    /// The faults to inject, in schedule order. Default: all of the
+    /// backend's, but for the opt-in ones of [`FaultKind::allowed`].
     pub faults: Vec<FaultKind>,
     /// The fence store. Default: `DATABASE_URL` or the shared test server.
     pub fence_url: String,
@@ -205,6 +232,8 @@ impl Flags {
         match self.required("backend")?.as_str() {
             "redis" => Ok(Backend::Redis),
             "postgres" => Ok(Backend::Postgres),
+            "etcd" => Ok(Backend::Etcd),
+            "redis-cluster" => Ok(Backend::RedisCluster),
             other => Err(ArgsError::BadValue {
                 flag: "backend",
                 value: other.to_owned(),
@@ -227,9 +256,8 @@ fn parse_run(mut f: Flags) -> Result<RunArgs, ArgsError> {
         Some(list) => list
             .split(',')
             .map(|name| {
-                FaultKind::for_backend(backend.name())
-                    .iter()
-                    .copied()
+                FaultKind::allowed(backend.name())
+                    .into_iter()
                     .find(|k| k.name() == name)
                     .ok_or_else(|| ArgsError::BadValue {
                         flag: "faults",
@@ -243,8 +271,8 @@ fn parse_run(mut f: Flags) -> Result<RunArgs, ArgsError> {
         seconds: f.parsed("seconds", 60)?,
         procs: f.parsed("procs", 3)?,
         tasks: f.parsed("tasks", 4)?,
-        keys: f.parsed("keys", 4)?,
-        ttl: f.duration("ttl", Duration::from_secs(1))?,
+        keys: f.parsed("keys", backend.default_keys())?,
+        ttl: f.duration("ttl", backend.default_ttl())?,
         hold: f.duration("hold", Duration::from_millis(200))?,
         grace: f.duration("grace", Duration::from_millis(500))?,
         heal: f.duration("heal", Duration::from_secs(3))?,
@@ -342,5 +370,34 @@ mod tests {
             panic!("not run")
         };
         assert_eq!(run.faults, [FaultKind::PgRestart, FaultKind::WorkerStop]);
+    }
+
+    #[test]
+    fn the_cluster_backends_have_their_defaults_and_opt_in_faults() {
+        let Command::Run(run) = parse(&strings("run --backend redis-cluster")).unwrap() else {
+            panic!("not run")
+        };
+        assert_eq!(
+            (run.backend, run.ttl, run.keys),
+            (Backend::RedisCluster, Duration::from_secs(2), 6)
+        );
+        assert_eq!(run.faults, [FaultKind::MasterStop, FaultKind::MasterKill]);
+        let Command::Run(run) =
+            parse(&strings("run --backend redis-cluster --faults worker_stop")).unwrap()
+        else {
+            panic!("not run")
+        };
+        assert_eq!(run.faults, [FaultKind::WorkerStop]);
+        let Command::Run(run) = parse(&strings(
+            "run --backend etcd --faults follower_stop,leader_kill",
+        ))
+        .unwrap() else {
+            panic!("not run")
+        };
+        assert_eq!(run.faults, [FaultKind::FollowerStop, FaultKind::LeaderKill]);
+        assert!(matches!(
+            parse(&strings("run --backend etcd --faults master_stop")),
+            Err(ArgsError::BadValue { flag: "faults", .. })
+        ));
     }
 }

@@ -17,10 +17,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
 
 use crate::analysis::{analyse, Report};
-use crate::args::{format_duration, RunArgs};
+use crate::args::{format_duration, Backend, RunArgs};
 use crate::event::{now_us, Event, Fault, FaultKind, LeakCheck, LogWriter, RunInfo, RunLog};
 use crate::fence::{FenceError, FenceStore};
-use crate::server::{held_keys, signal, LockServer, ServerError};
+use crate::server::{held_keys, signal, Injected, LockServer, ServerError};
 
 /// How long a worker may take to set up.
 pub const READY_WAIT: Duration = Duration::from_secs(30);
@@ -72,15 +72,13 @@ pub async fn run(args: RunArgs, exe: &Path) -> Result<Finished, RunError> {
     let dir = out_dir(&args)?;
     let log = LogWriter::create(&dir.join("coordinator.jsonl"))?;
     let run_id = format!("{:08x}", rand::random::<u32>());
-    let keys: Vec<String> = (0..args.keys)
-        .map(|i| format!("chaos-{run_id}-k{i}"))
-        .collect();
+    let server = LockServer::start(args.backend).await?;
+    let keys = server.keys(&format!("chaos-{run_id}-k"), args.keys).await?;
 
     let fence = FenceGuard::new(
         FenceStore::create(&args.fence_url, &keys).await?,
         &args.fence_url,
     );
-    let server = LockServer::start(args.backend).await?;
     let mut workers = Workers::spawn(&args, exe, &dir, &server, fence.table(), &keys).await?;
 
     let t_begin = now_us();
@@ -93,7 +91,7 @@ pub async fn run(args: RunArgs, exe: &Path) -> Result<Finished, RunError> {
         args.seconds,
         dir.display()
     );
-    schedule(&args, &server, &workers, &log).await?;
+    schedule(&args, &server, &workers, &keys, &log).await?;
     let t_end = now_us();
 
     workers.stop(&args, &log).await?;
@@ -118,6 +116,9 @@ pub async fn run(args: RunArgs, exe: &Path) -> Result<Finished, RunError> {
         keys,
         ttl_ms: millis(args.ttl),
         liveness_bound_ms: millis(args.liveness_bound),
+        // A Redis Cluster fault touches one master's keys: the others'
+        // locks must never be reported lost [L4].
+        check_unfaulted_losses: args.backend == Backend::RedisCluster,
     }))?;
     let report = analyse(&RunLog::read_dir(&dir)?);
     let json = serde_json::to_string_pretty(&report).map_err(io::Error::other)?;
@@ -164,6 +165,12 @@ fn expected(kind: FaultKind, args: &RunArgs) -> Duration {
         FaultKind::WorkerStop | FaultKind::ServerStop => stop_for(args),
         FaultKind::ServerKill => Duration::from_millis(500),
         FaultKind::PgRestart => Duration::from_secs(3),
+        FaultKind::LeaderKill
+        | FaultKind::FollowerKill
+        | FaultKind::LeaderStop
+        | FaultKind::FollowerStop => stop_for(args) + Duration::from_millis(500),
+        // The node timeout (2 s), the election, the cluster whole again.
+        FaultKind::MasterStop | FaultKind::MasterKill => Duration::from_secs(6),
         _ => Duration::from_millis(200),
     }
 }
@@ -191,6 +198,7 @@ async fn schedule(
     args: &RunArgs,
     server: &LockServer,
     workers: &Workers,
+    keys: &[String],
     log: &LogWriter,
 ) -> Result<(), RunError> {
     let start = tokio::time::Instant::now();
@@ -211,25 +219,24 @@ async fn schedule(
             break;
         }
         let t_start = now_us();
-        let (target, detail) = if kind == FaultKind::WorkerStop {
+        let injected = if kind == FaultKind::WorkerStop {
             let index = next_worker % workers.procs.len();
             next_worker += 1;
-            (
-                format!("w{index}"),
-                workers.stop_one(index, stop_for(args)).await?,
-            )
+            Injected {
+                target: format!("w{index}"),
+                detail: workers.stop_one(index, stop_for(args)).await?,
+                keys: None,
+            }
         } else {
-            (
-                "server".to_owned(),
-                server.inject(kind, stop_for(args)).await?,
-            )
+            server.inject(kind, stop_for(args), keys).await?
         };
         let fault = Fault {
             kind,
-            target,
+            target: injected.target,
             t_start,
             t_end: now_us(),
-            detail,
+            detail: injected.detail,
+            keys: injected.keys,
         };
         eprintln!(
             "fault {} on {}: {}",

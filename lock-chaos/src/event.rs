@@ -60,7 +60,7 @@ pub enum Event {
 /// The run's parameters and bounds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunInfo {
-    /// `redis` or `postgres`.
+    /// `redis`, `postgres`, `etcd` or `redis-cluster`.
     pub backend: String,
     /// When the workers were all ready.
     pub t_begin: u64,
@@ -76,6 +76,12 @@ pub struct RunInfo {
     pub ttl_ms: u64,
     /// How soon after a fault heals some section must complete, in ms.
     pub liveness_bound_ms: u64,
+    /// Whether a loss on a key that no fault touched is a violation
+    /// ([`Check::UnfaultedLoss`](crate::analysis::Check::UnfaultedLoss)):
+    /// on the backends whose faults touch some keys only (a Redis Cluster
+    /// master serves a third of them).
+    #[serde(default)]
+    pub check_unfaulted_losses: bool,
 }
 
 /// What a `with_lock` call gave.
@@ -199,12 +205,36 @@ pub enum FaultKind {
     PgRestart,
     /// PostgreSQL: `DELETE` of every lock row, counters included.
     PgDeleteRows,
+    /// etcd: SIGKILL of the leader, a restart on its data once the others
+    /// have elected a new one.
+    LeaderKill,
+    /// etcd: SIGKILL of a follower, a restart on its data.
+    FollowerKill,
+    /// etcd: SIGSTOP of the leader past the election timeout, then SIGCONT.
+    LeaderStop,
+    /// etcd: SIGSTOP of a follower (a minority) past the election timeout,
+    /// then SIGCONT.
+    FollowerStop,
+    /// Redis Cluster: SIGSTOP of a master until its replica is promoted,
+    /// then SIGCONT (it comes back as a replica).
+    MasterStop,
+    /// Redis Cluster: SIGKILL of a master, and once its replica is promoted
+    /// a restart (empty; it comes back as a replica).
+    MasterKill,
 }
 
 impl FaultKind {
-    /// The faults injected on `backend`, in schedule order.
+    /// The faults injected on `backend` by default, in schedule order.
     pub fn for_backend(backend: &str) -> &'static [FaultKind] {
         match backend {
+            "etcd" => &[
+                Self::LeaderKill,
+                Self::LeaderStop,
+                Self::FollowerStop,
+                Self::FollowerKill,
+                Self::WorkerStop,
+            ],
+            "redis-cluster" => &[Self::MasterStop, Self::MasterKill],
             "redis" => &[
                 Self::WorkerStop,
                 Self::ClientKillNormal,
@@ -224,6 +254,17 @@ impl FaultKind {
         }
     }
 
+    /// The faults `--faults` may name for `backend`: the default ones, and
+    /// on Redis Cluster `worker_stop` (whose losses on every master would
+    /// blur the per-master figures).
+    pub fn allowed(backend: &str) -> Vec<FaultKind> {
+        let mut kinds = Self::for_backend(backend).to_vec();
+        if backend == "redis-cluster" {
+            kinds.push(Self::WorkerStop);
+        }
+        kinds
+    }
+
     /// The snake-case name, as in the log.
     pub fn name(self) -> &'static str {
         match self {
@@ -236,6 +277,12 @@ impl FaultKind {
             Self::PgTerminateListen => "pg_terminate_listen",
             Self::PgRestart => "pg_restart",
             Self::PgDeleteRows => "pg_delete_rows",
+            Self::LeaderKill => "leader_kill",
+            Self::FollowerKill => "follower_kill",
+            Self::LeaderStop => "leader_stop",
+            Self::FollowerStop => "follower_stop",
+            Self::MasterStop => "master_stop",
+            Self::MasterKill => "master_kill",
         }
     }
 }
@@ -245,8 +292,14 @@ impl FaultKind {
 pub struct Fault {
     /// What was done.
     pub kind: FaultKind,
-    /// To whom: `w<i>` or `server`.
+    /// To whom: `w<i>`, `server`, an etcd member (`m<i>`) or a Redis
+    /// Cluster node (`127.0.0.1:<port>`).
     pub target: String,
+    /// The keys whose store the fault touched (a Redis Cluster master's
+    /// keys); `None`: every key (one server, every etcd member's leases, a
+    /// worker's own locks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Vec<String>>,
     /// When it began.
     pub t_start: u64,
     /// When it was healed (the server answers again, the worker runs).

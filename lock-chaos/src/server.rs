@@ -1,6 +1,6 @@
-//! The lock servers a run starts (a `redis-server` or a PostgreSQL of its
-//! own, on a free loopback port), the faults injected into them, and the
-//! leak check.
+//! The lock servers a run starts (a `redis-server`, a PostgreSQL, three
+//! etcd members or a 6-node Redis Cluster of its own, on free loopback
+//! ports), the faults injected into them, and the leak check.
 
 use std::io;
 use std::path::PathBuf;
@@ -17,6 +17,12 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::args::Backend;
 use crate::event::FaultKind;
+
+pub mod etcd;
+pub mod redis_cluster;
+
+pub use etcd::EtcdServer;
+pub use redis_cluster::ClusterServer;
 
 /// The `application_name` of every worker connection to the PostgreSQL
 /// lock server, so that faults cut exactly those.
@@ -47,6 +53,38 @@ pub enum ServerError {
     /// A step did not finish in time.
     #[error("server step timed out: {0}")]
     Timeout(&'static str),
+    /// The etcd backend of the leak check could not connect.
+    #[error("etcd backend setup failed")]
+    Etcd(#[from] lock_etcd::SetupError),
+    /// The Redis Cluster backend of the leak check could not be made.
+    #[error("Redis Cluster backend setup failed")]
+    RedisSetup(#[from] lock_redis::SetupError),
+    /// A lock could not be inspected.
+    #[error("lock inspection failed")]
+    Inspect(#[from] lock_core::BackendError),
+}
+
+/// What a server fault did: to whom, what it reported, and which keys'
+/// store it touched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Injected {
+    /// `server`, `m<i>` (an etcd member), `127.0.0.1:<port>` (a Redis
+    /// Cluster node).
+    pub target: String,
+    /// What the injection reported (connections closed, pids stopped…).
+    pub detail: String,
+    /// The keys whose store it touched; `None`: every key.
+    pub keys: Option<Vec<String>>,
+}
+
+impl Injected {
+    fn server(detail: String) -> Self {
+        Self {
+            target: "server".to_owned(),
+            detail,
+            keys: None,
+        }
+    }
 }
 
 /// Sends `signal` to process `pid`.
@@ -84,6 +122,10 @@ pub enum LockServer {
     Redis(Arc<RedisServer>),
     /// A PostgreSQL server of its own.
     Postgres(PgServer),
+    /// Three etcd members.
+    Etcd(EtcdServer),
+    /// Three Redis Cluster masters with a replica each.
+    RedisCluster(ClusterServer),
 }
 
 impl LockServer {
@@ -100,6 +142,21 @@ impl LockServer {
                 Ok(Self::Redis(Arc::new(server)))
             }
             Backend::Postgres => Ok(Self::Postgres(PgServer::start().await?)),
+            Backend::Etcd => Ok(Self::Etcd(EtcdServer::start().await?)),
+            Backend::RedisCluster => Ok(Self::RedisCluster(ClusterServer::start().await?)),
+        }
+    }
+
+    /// `n` keys named `<prefix><i>`; on Redis Cluster spread evenly over
+    /// the masters.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError`] when the cluster cannot be asked who serves a key.
+    pub async fn keys(&self, prefix: &str, n: u32) -> Result<Vec<String>, ServerError> {
+        match self {
+            Self::RedisCluster(cluster) => cluster.keys(prefix, n).await,
+            _ => Ok((0..n).map(|i| format!("{prefix}{i}")).collect()),
         }
     }
 
@@ -111,17 +168,41 @@ impl LockServer {
                 "{}?application_name={WORKER_APPLICATION_NAME}",
                 pg.server.url()
             ),
+            Self::Etcd(etcd) => etcd.url(),
+            Self::RedisCluster(cluster) => cluster.url(),
         }
     }
 
-    /// Injects a server fault and heals it: a stop lasts `stop_for`.
-    /// Returns what the injection reported.
+    /// Injects a server fault and heals it: a stop lasts `stop_for` (on
+    /// Redis Cluster: until a replica is promoted). Returns what it did;
+    /// `keys` are the run's, of which a Redis Cluster fault touches those
+    /// its master served.
     ///
     /// # Errors
     ///
     /// [`ServerError`] when the fault could not be injected or healed; a
     /// stopped server is resumed whatever happens.
-    pub async fn inject(&self, kind: FaultKind, stop_for: Duration) -> Result<String, ServerError> {
+    pub async fn inject(
+        &self,
+        kind: FaultKind,
+        stop_for: Duration,
+        keys: &[String],
+    ) -> Result<Injected, ServerError> {
+        match self {
+            Self::Etcd(etcd) => etcd.inject(kind, stop_for).await,
+            Self::RedisCluster(cluster) => cluster.inject(kind, keys).await,
+            _ => self
+                .inject_single(kind, stop_for)
+                .await
+                .map(Injected::server),
+        }
+    }
+
+    async fn inject_single(
+        &self,
+        kind: FaultKind,
+        stop_for: Duration,
+    ) -> Result<String, ServerError> {
         match (self, kind) {
             (Self::Redis(server), FaultKind::ServerStop) => {
                 let s = Arc::clone(server);
@@ -150,8 +231,8 @@ impl LockServer {
                 Ok(format!("CLIENT KILL TYPE {kind_name}: {n} closed"))
             }
             (Self::Postgres(pg), _) => pg.inject(kind, stop_for).await,
-            (Self::Redis(_), _) => Err(ServerError::Io(io::Error::other(format!(
-                "{} is not a Redis fault",
+            (_, _) => Err(ServerError::Io(io::Error::other(format!(
+                "{} is not a fault of this server",
                 kind.name()
             )))),
         }
@@ -202,7 +283,41 @@ pub async fn held_keys(
     match backend {
         Backend::Redis => bounded("leak check", redis_held(url, keys)).await,
         Backend::Postgres => bounded("leak check", pg_held(url, keys)).await,
+        Backend::Etcd => {
+            bounded("leak check", async {
+                inspected(&etcd::connect(url).await?, keys).await
+            })
+            .await
+        }
+        Backend::RedisCluster => {
+            bounded("leak check", async {
+                inspected(&redis_cluster::backend(url)?, keys).await
+            })
+            .await
+        }
     }
+}
+
+/// The held keys of `keys`, as the backend's [`LockAdmin::inspect`] sees
+/// them.
+async fn inspected(
+    admin: &dyn lock_core::LockAdmin,
+    keys: &[String],
+) -> Result<Vec<HeldKey>, ServerError> {
+    let mut held = Vec::new();
+    for key in keys {
+        let info = admin.inspect(key).await?;
+        if let Some(owner) = info.owner {
+            held.push(HeldKey {
+                key: key.clone(),
+                owner: owner.as_str().to_owned(),
+                expires_in_ms: info
+                    .ttl
+                    .map_or(-1, |t| i64::try_from(t.as_millis()).unwrap_or(i64::MAX)),
+            });
+        }
+    }
+    Ok(held)
 }
 
 async fn redis_held(url: &str, keys: &[String]) -> Result<Vec<HeldKey>, ServerError> {

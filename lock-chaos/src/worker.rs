@@ -19,7 +19,7 @@ use crate::event::{
     now_us, Event, FencedWrite, Held, LeakCheck, LogWriter, Outcome, Section, ShutdownRecord,
 };
 use crate::fence::{FenceError, FenceStore};
-use crate::server::held_keys;
+use crate::server::{etcd, held_keys, redis_cluster};
 
 /// Attempts after the first while a key is busy; with
 /// [`RETRY_DELAY`], a call gives up after about two seconds.
@@ -46,6 +46,9 @@ pub enum WorkerError {
     /// The PostgreSQL backend could not be made.
     #[error("PostgreSQL backend setup failed")]
     Postgres(#[from] lock_postgres::SetupError),
+    /// The etcd backend could not connect.
+    #[error("etcd backend setup failed")]
+    Etcd(#[from] lock_etcd::SetupError),
     /// The backend took too long to set up.
     #[error("backend setup timed out")]
     Timeout,
@@ -86,6 +89,16 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
             .await
             .map_err(|_| WorkerError::Timeout)??;
             Locker::with_options(backend, options)?
+        }
+        Backend::Etcd => {
+            let backend =
+                tokio::time::timeout(Duration::from_secs(10), etcd::connect(&args.lock_url))
+                    .await
+                    .map_err(|_| WorkerError::Timeout)??;
+            Locker::with_options(backend, options)?
+        }
+        Backend::RedisCluster => {
+            Locker::with_options(redis_cluster::backend(&args.lock_url)?, options)?
         }
     };
     let fence = FenceStore::connect(&args.fence_url, &args.fence_table, args.tasks + 2)?;

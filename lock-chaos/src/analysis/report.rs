@@ -32,11 +32,15 @@ pub enum Check {
     Context,
     /// A worker that did not shut down, or not in time, or failed releases.
     Shutdown,
+    /// A lock reported lost although no fault touched its key's store or
+    /// its holder \[L4\]: checked where faults touch some keys only
+    /// ([`RunInfo::check_unfaulted_losses`]).
+    UnfaultedLoss,
 }
 
 impl Check {
     /// Every check, in report order.
-    pub const ALL: [Check; 7] = [
+    pub const ALL: [Check; 8] = [
         Self::Exclusion,
         Self::TokenOrder,
         Self::RefusedWrite,
@@ -44,6 +48,7 @@ impl Check {
         Self::Leak,
         Self::Context,
         Self::Shutdown,
+        Self::UnfaultedLoss,
     ];
 
     /// The snake-case name.
@@ -56,6 +61,7 @@ impl Check {
             Self::Leak => "leak",
             Self::Context => "context",
             Self::Shutdown => "shutdown",
+            Self::UnfaultedLoss => "unfaulted_loss",
         }
     }
 }
@@ -107,14 +113,25 @@ pub struct Summary {
     pub outcomes: BTreeMap<String, usize>,
     /// Lost calls per cause, numbers in the cause's text shown as `N`.
     pub loss_causes: BTreeMap<String, usize>,
+    /// Lost calls per the fault that touched them: `worker_stop` when the
+    /// holder itself was stopped, else the kind of a fault on the key's
+    /// store (on Redis Cluster: the key's master) from the call to a
+    /// couple of ttls after the heal; `shutdown` when the worker's
+    /// graceful shutdown cut it off; `none` when no fault did.
+    #[serde(default)]
+    pub losses_by_fault: BTreeMap<String, usize>,
     /// Pairs of sections on one key that overlapped in time.
     pub overlaps: usize,
     /// Of those, the ones whose older holder was told of its loss.
     pub overlaps_after_loss_report: usize,
     /// Of those, the ones whose older holder held the lock while the store
-    /// was restarted empty (`server_kill`) and was not told: its release
-    /// failed, which gives the callback's output \[O6\]; the fence refuses
-    /// its stale writes.
+    /// lost its data and was not told: Redis restarted empty
+    /// (`server_kill`) and its release failed, which gives the callback's
+    /// output \[O6\]; or a failover of the key's Redis Cluster master
+    /// (`master_stop`, `master_kill`) during the overlap, to a replica
+    /// that missed the lock's write or with the old master answering for a
+    /// moment after it resumed. The fence refuses the stale holder's
+    /// writes; an overlap where it did not is an exclusion violation.
     #[serde(default)]
     pub overlaps_after_data_loss: usize,
     /// Fenced writes accepted by the store.
@@ -123,8 +140,9 @@ pub struct Summary {
     pub writes_refused: usize,
     /// Of those, the ones by holders told of their loss.
     pub refused_by_told_holders: usize,
-    /// Of those, the ones by holders whose store was restarted empty while
-    /// they held the lock.
+    /// Of those, the ones by holders whose store was restarted empty, or
+    /// whose key's Redis Cluster master failed over, while they held the
+    /// lock.
     #[serde(default)]
     pub refused_after_data_loss: usize,
     /// Fenced writes that failed or timed out.
@@ -221,6 +239,18 @@ impl fmt::Display for Report {
             for (cause, n) in &s.loss_causes {
                 writeln!(f, "  {n:>5}  {cause}")?;
             }
+        }
+        if !s.losses_by_fault.is_empty() {
+            let by: Vec<String> = s
+                .losses_by_fault
+                .iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect();
+            writeln!(
+                f,
+                "losses by the fault on the key's store or its holder: {}",
+                by.join(", ")
+            )?;
         }
         writeln!(
             f,

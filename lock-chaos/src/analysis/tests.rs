@@ -56,6 +56,7 @@ fn clean_log() -> Vec<Event> {
         keys: vec![KEY.into()],
         ttl_ms: 1000,
         liveness_bound_ms: 5000,
+        check_unfaulted_losses: false,
     })];
     for worker in 0..2 {
         events.push(Event::WorkerStart {
@@ -81,6 +82,7 @@ fn clean_log() -> Vec<Event> {
         t_start: 10_000 * MS,
         t_end: 12_500 * MS,
         detail: String::new(),
+        keys: None,
     }));
     for worker in 0..2 {
         events.push(Event::Shutdown(ShutdownRecord {
@@ -214,6 +216,7 @@ fn with_store_restarted_empty_at(mut events: Vec<Event>, at_ms: u64) -> Vec<Even
         t_start: at_ms * MS,
         t_end: (at_ms + 20) * MS,
         detail: String::new(),
+        keys: None,
     }));
     events.push(Event::Section(section(
         0,
@@ -484,4 +487,157 @@ fn unavailability_is_time_no_successful_section_covered() {
     assert_eq!(longest_gap(&[], 3, 10), 7);
     // A long hold covering the whole window: no unavailability.
     assert_eq!(longest_gap(&[(0, 100)], 3, 10), 0);
+}
+
+/// `events` on a Redis Cluster: a loss on a key no fault touched is a
+/// violation.
+fn on_a_cluster(mut events: Vec<Event>) -> Vec<Event> {
+    for e in &mut events {
+        if let Event::Run(run) = e {
+            run.backend = "redis-cluster".into();
+            run.check_unfaulted_losses = true;
+        }
+    }
+    events
+}
+
+/// `events` with a failover of the master serving `keys`, `kind`, from
+/// `from_ms` to `to_ms`.
+fn with_failover(
+    mut events: Vec<Event>,
+    kind: FaultKind,
+    keys: &[&str],
+    from_ms: u64,
+    to_ms: u64,
+) -> Vec<Event> {
+    events.push(Event::Fault(Fault {
+        kind,
+        target: "127.0.0.1:7000".into(),
+        t_start: from_ms * MS,
+        t_end: to_ms * MS,
+        detail: String::new(),
+        keys: Some(keys.iter().map(|k| (*k).to_owned()).collect()),
+    }));
+    events
+}
+
+#[test]
+fn an_overlap_during_a_failover_of_the_keys_master_that_the_fence_stopped_is_explained() {
+    // The replica promoted at 5.14 s missed the write of 510 (5100..5180,
+    // Ok): 515 took the key from it at 5.15 s; 510's second write, after
+    // 515's first, was refused.
+    let mut events = with_failover(clean_log(), FaultKind::MasterStop, &[KEY], 3_000, 5_140);
+    let mut older = section(1, 51, 510, 5100, 5180, Outcome::Ok);
+    older.held.as_mut().unwrap().writes.push(FencedWrite {
+        t_sent: 5_170 * MS,
+        t_done: 5_171 * MS,
+        result: WriteResult::Refused,
+        lost_before: false,
+    });
+    *section_mut(&mut events, 51) = older;
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(on_a_cluster(events));
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.overlaps_after_data_loss, 1);
+    assert_eq!(report.summary.refused_after_data_loss, 1);
+}
+
+#[test]
+fn an_overlap_the_fence_did_not_stop_is_reported_even_during_a_failover() {
+    let mut events = with_failover(clean_log(), FaultKind::MasterKill, &[KEY], 3_000, 5_140);
+    // 510's second write, after 515's first, was accepted.
+    section_mut(&mut events, 51)
+        .held
+        .as_mut()
+        .unwrap()
+        .writes
+        .push(FencedWrite {
+            t_sent: 5_170 * MS,
+            t_done: 5_171 * MS,
+            result: WriteResult::Accepted,
+            lost_before: false,
+        });
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(on_a_cluster(events));
+    assert_only(&report, Check::Exclusion, 1);
+    assert!(
+        report.violations[0].message.contains("did not stop"),
+        "{report}"
+    );
+}
+
+#[test]
+fn a_failover_of_another_master_explains_no_overlap() {
+    let mut events = with_failover(clean_log(), FaultKind::MasterStop, &["other"], 3_000, 5_140);
+    events.push(Event::Section(section(
+        0,
+        9000,
+        515,
+        5150,
+        5190,
+        Outcome::Ok,
+    )));
+    let report = analyse_events(on_a_cluster(events));
+    assert_only(&report, Check::Exclusion, 1);
+}
+
+#[test]
+fn a_loss_on_a_key_whose_master_no_fault_touched_is_reported_on_a_cluster() {
+    // Another master failed over while 420 (4200..4280) was reported lost.
+    let mut events = with_failover(clean_log(), FaultKind::MasterStop, &["other"], 3_000, 5_000);
+    *section_mut(&mut events, 42) = section(0, 42, 420, 4200, 4280, Outcome::Lost);
+    let report = analyse_events(on_a_cluster(events.clone()));
+    assert_only(&report, Check::UnfaultedLoss, 1);
+    assert_eq!(report.summary.losses_by_fault.get("none"), Some(&1));
+    // Where faults touch every key, it is a figure only.
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.losses_by_fault.get("none"), Some(&1));
+}
+
+#[test]
+fn a_loss_on_the_faulted_masters_key_or_of_a_stopped_holder_is_allowed() {
+    // 420 (4200..4280) while its master failed over; 110 (11000..11080) of
+    // w0 while w0 was stopped (10 s to 12.5 s).
+    let mut events = with_failover(clean_log(), FaultKind::MasterStop, &[KEY], 3_000, 4_100);
+    *section_mut(&mut events, 42) = section(0, 42, 420, 4200, 4280, Outcome::Lost);
+    *section_mut(&mut events, 110) = section(0, 110, 1100, 11000, 11080, Outcome::Lost);
+    let report = analyse_events(on_a_cluster(events));
+    assert!(report.is_clean(), "{report}");
+    let by = &report.summary.losses_by_fault;
+    assert_eq!(
+        (by.get("master_stop"), by.get("worker_stop"), by.get("none")),
+        (Some(&1), Some(&1), None)
+    );
+}
+
+#[test]
+fn a_loss_by_the_workers_own_shutdown_is_no_unfaulted_loss() {
+    let mut events = on_a_cluster(clean_log());
+    // Returns at 60.0805 s, after w1's shutdown began at 60 s.
+    events.push(Event::Section(section(
+        1,
+        9000,
+        6000,
+        59_990,
+        60_080,
+        Outcome::Lost,
+    )));
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    assert_eq!(report.summary.losses_by_fault.get("shutdown"), Some(&1));
 }

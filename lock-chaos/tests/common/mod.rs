@@ -8,12 +8,12 @@ use lock_chaos::event::FaultKind;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-/// How long the faults run: `CHAOS_SECONDS`, default 40.
-fn seconds() -> u64 {
-    std::env::var("CHAOS_SECONDS")
+/// `var` as a number of seconds, else `default`.
+pub(crate) fn seconds_from(var: &str, default: u64) -> u64 {
+    std::env::var(var)
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(40)
+        .unwrap_or(default)
 }
 
 /// Stops the coordinator if the test ends early: SIGTERM (it then stops
@@ -36,10 +36,10 @@ impl Drop for Coordinator {
     }
 }
 
-/// Runs `chaos run --backend <backend>` with every fault of the backend and
-/// asserts that the analysis is clean and that each fault happened.
-pub(crate) fn run_and_check(backend: &str) {
-    let seconds = seconds();
+/// Runs `chaos run --backend <backend>` for `seconds` with every fault of
+/// the backend and asserts that the analysis is clean, that each fault
+/// happened and that the leak check looked at the run's `keys` keys.
+pub(crate) fn run_and_check(backend: &str, seconds: u64, keys: usize) {
     let dir = std::env::temp_dir().join(format!(
         "withlock-chaos-test-{backend}-{:08x}",
         rand::random::<u32>()
@@ -99,7 +99,7 @@ pub(crate) fn run_and_check(backend: &str) {
     );
     assert_eq!(
         report.summary.leak_keys_checked,
-        Some(4),
+        Some(keys),
         "the final leak check ran"
     );
     assert_eq!(

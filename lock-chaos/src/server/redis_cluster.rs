@@ -1,0 +1,154 @@
+//! The Redis Cluster lock server of a run: 3 masters with a replica each
+//! ([`lock_redis::testing::RedisCluster`]: `cluster-node-timeout` 2 s, no
+//! persistence), its master faults, and the keys of a run, spread evenly
+//! over the masters.
+
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lock_redis::slot::{key_slot, SLOTS};
+use lock_redis::testing::RedisCluster;
+use lock_redis::RedisClusterBackend;
+
+use super::{blocking, Injected, ServerError};
+use crate::event::FaultKind;
+
+/// How long a replica may take to be promoted, and the cluster to be whole
+/// again afterwards.
+const FAILOVER_WAIT: Duration = Duration::from_secs(30);
+
+/// A backend on the nodes of `url` (`redis://host:port,redis://…`).
+///
+/// # Errors
+///
+/// When a node's URL does not parse.
+pub fn backend(url: &str) -> Result<RedisClusterBackend, lock_redis::SetupError> {
+    RedisClusterBackend::from_urls(url.split(','))
+}
+
+/// Six `redis-server` children in a cluster. Dropping it kills them
+/// (SIGKILL, which a stopped node obeys too).
+#[derive(Debug)]
+pub struct ClusterServer {
+    cluster: Arc<RedisCluster>,
+    /// Turns over the masters a fault picks.
+    next_master: AtomicUsize,
+}
+
+impl ClusterServer {
+    pub(super) async fn start() -> Result<Self, ServerError> {
+        let cluster = blocking(|| Ok(RedisCluster::start()?)).await?;
+        Ok(Self {
+            cluster: Arc::new(cluster),
+            next_master: AtomicUsize::new(0),
+        })
+    }
+
+    pub(super) fn url(&self) -> String {
+        self.cluster.urls().join(",")
+    }
+
+    /// `n` keys named `<prefix><i>`, taken in turn from the masters, so
+    /// that each master serves as many as the others (give or take one).
+    pub(super) async fn keys(&self, prefix: &str, n: u32) -> Result<Vec<String>, ServerError> {
+        let c = Arc::clone(&self.cluster);
+        let prefix = prefix.to_owned();
+        blocking(move || {
+            let masters = c.master_ports()?;
+            let mut by_master: Vec<Vec<String>> = vec![Vec::new(); masters.len()];
+            let wanted = (n as usize).div_ceil(masters.len().max(1));
+            for i in 0..n * 1000 {
+                if by_master.iter().all(|k| k.len() >= wanted) {
+                    break;
+                }
+                let key = format!("{prefix}{i}");
+                let port = c.master_port_of_slot(key_slot(&key))?;
+                if let Some(at) = masters.iter().position(|&p| p == port) {
+                    if by_master[at].len() < wanted {
+                        by_master[at].push(key);
+                    }
+                }
+            }
+            // Round robin over the masters, so that the first `n` spread.
+            let mut keys = Vec::new();
+            for round in 0..wanted {
+                keys.extend(by_master.iter().filter_map(|k| k.get(round).cloned()));
+            }
+            keys.truncate(n as usize);
+            Ok(keys)
+        })
+        .await
+    }
+
+    /// Stops or kills the next master until its replica is promoted, then
+    /// resumes or restarts it (it rejoins as a replica) and waits until the
+    /// cluster is whole. The fault's keys are those the master served.
+    pub(super) async fn inject(
+        &self,
+        kind: FaultKind,
+        keys: &[String],
+    ) -> Result<Injected, ServerError> {
+        if !matches!(kind, FaultKind::MasterStop | FaultKind::MasterKill) {
+            return Err(ServerError::Io(io::Error::other(format!(
+                "{} is not a Redis Cluster fault",
+                kind.name()
+            ))));
+        }
+        let c = Arc::clone(&self.cluster);
+        let turn = self.next_master.fetch_add(1, Ordering::Relaxed);
+        let keys = keys.to_vec();
+        blocking(move || {
+            let masters = c.master_ports()?;
+            let victim = masters[turn % masters.len()];
+            let mut served = Vec::new();
+            for key in keys {
+                if c.master_port_of_slot(key_slot(&key))? == victim {
+                    served.push(key);
+                }
+            }
+            let slot = match served.first() {
+                Some(key) => key_slot(key),
+                None => (0..SLOTS)
+                    .find(|&s| c.master_port_of_slot(s).is_ok_and(|p| p == victim))
+                    .ok_or_else(|| io::Error::other(format!("port {victim} serves no slot")))?,
+            };
+            let node = c
+                .node(victim)
+                .ok_or_else(|| io::Error::other(format!("no node on port {victim}")))?;
+            let started = Instant::now();
+            let promoted = if kind == FaultKind::MasterStop {
+                node.pause()?;
+                let promoted = c.wait_for_failover(slot, victim, FAILOVER_WAIT);
+                // Resumed whatever the wait gave.
+                node.resume()?;
+                promoted?
+            } else {
+                node.kill();
+                let promoted = c.wait_for_failover(slot, victim, FAILOVER_WAIT);
+                node.restart()?;
+                promoted?
+            };
+            let failover = started.elapsed();
+            c.wait_ok(FAILOVER_WAIT)?;
+            let what = if kind == FaultKind::MasterStop {
+                "stopped (SIGSTOP), resumed"
+            } else {
+                "killed (SIGKILL), restarted empty"
+            };
+            Ok(Injected {
+                target: format!("127.0.0.1:{victim}"),
+                detail: format!(
+                    "master {victim} ({} of the keys) {what} once its replica {promoted} \
+                     was promoted after {} ms; the cluster whole {} ms later",
+                    served.len(),
+                    failover.as_millis(),
+                    (started.elapsed() - failover).as_millis()
+                ),
+                keys: Some(served),
+            })
+        })
+        .await
+    }
+}
