@@ -43,9 +43,10 @@ Backends, by URL scheme:
   redis+cluster://[user:pass@]host:port[,host:port…], rediss+cluster://…
       a Redis Cluster (7.0 or later), found from any of its nodes; the
       user and password are used on every node
-  redis+sentinel://[user:pass@]host:port[,host:port…]/MASTER
-      the primary that the Sentinels at host:port name MASTER (the user and
-      password are the Sentinels'; the primary is reached without one)
+  redis+sentinel://[user:pass@]host:port[,host:port…]/MASTER[?data_password=P&data_username=U&db=N]
+      the primary that the Sentinels at host:port name MASTER; the user
+      and password are the Sentinels' own, the query gives the data nodes'
+      (their requirepass or ACL user, percent-encoded) and the database
   postgres://, postgresql://
       one row per key in a table, created once by `withlock migrate`
       (`run` never creates it); see --schema and --table

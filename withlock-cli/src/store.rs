@@ -8,7 +8,7 @@ use lock_core::{DynLockBackend, LockAdmin, LockError, Locker, LockerOptions};
 use lock_etcd::EtcdBackend;
 use lock_postgres::sqlx::postgres::PgConnectOptions;
 use lock_postgres::{PostgresBackend, PostgresConfig};
-use lock_redis::{RedisClusterBackend, RedisConfig, RedisSentinelBackend};
+use lock_redis::{RedisClusterBackend, RedisConfig, RedisSentinelBackend, SentinelConfig};
 
 use crate::args::StoreArgs;
 use crate::exit::{Chain, Failure};
@@ -84,9 +84,34 @@ fn split_hosts(url: &str, scheme: &str) -> Result<(Vec<String>, String), Failure
     Ok((urls, percent_decode(path)?))
 }
 
+/// The data nodes' credentials and database from the query of a
+/// `redis+sentinel://` URL (`data_username`, `data_password`, `db`, each
+/// percent-decoded): the URL's own user and password are the Sentinels'.
+fn data_node_options(mut sentinel: SentinelConfig, query: &str) -> Result<SentinelConfig, Failure> {
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let value = percent_decode(value)?;
+        sentinel = match name {
+            "data_username" => sentinel.data_node_username(value),
+            "data_password" => sentinel.data_node_password(value),
+            "db" => sentinel.data_node_db(value.parse().map_err(|_| {
+                Failure::usage("--url: db= in a redis+sentinel:// URL is not a database number")
+            })?),
+            _ => {
+                return Err(Failure::usage(format!(
+                    "--url: a redis+sentinel:// URL takes data_username=, data_password= and db= \
+                     in its query, not {:?}",
+                    name.chars().take(32).collect::<String>()
+                )))
+            }
+        };
+    }
+    Ok(sentinel)
+}
+
 /// `text` with its `%XX` escapes decoded.
 fn percent_decode(text: &str) -> Result<String, Failure> {
-    let bad = || Failure::usage("--url has a bad percent escape in its path");
+    let bad = || Failure::usage("--url has a bad percent escape");
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -153,13 +178,18 @@ impl Store {
                     .map_err(bad_url)
             }
             Scheme::RedisSentinel => {
-                let (sentinels, master) = split_hosts(&args.url, "redis")?;
+                let (url, query) = args.url.split_once('?').unwrap_or((&args.url, ""));
+                let (sentinels, master) = split_hosts(url, "redis")?;
                 if master.is_empty() || master.contains('/') {
                     return Err(Failure::usage(
                         "--url: a redis+sentinel:// URL ends with the master name: redis+sentinel://host:port[,host:port…]/NAME",
                     ));
                 }
-                RedisSentinelBackend::from_urls_with(&master, sentinels, redis_config())
+                let sentinel = data_node_options(
+                    SentinelConfig::new(&master, sentinels).map_err(bad_url)?,
+                    query,
+                )?;
+                RedisSentinelBackend::with_config(sentinel, redis_config())
                     .map(|b| Self::new("Redis Sentinel", b))
                     .map_err(bad_url)
             }

@@ -149,3 +149,107 @@ async fn a8_postgres_narrow_sequence_column_is_78() {
     all.extend(["--no-wait", "--key", "k"]);
     refused(&all, 78, "bigint", "\u{0}").await;
 }
+
+/// The `host:port` part of each of `urls`.
+fn hosts_of(urls: &[String]) -> String {
+    urls.iter()
+        .map(|u| {
+            let rest = u.split_once("://").map_or(u.as_str(), |(_, rest)| rest);
+            rest.rsplit_once('@')
+                .map_or(rest, |(_, host)| host)
+                .to_owned()
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// SPEC A8 on Sentinel: the Sentinels' password is the URL's, the data
+/// nodes' is the query's. A wrong Sentinel password, and a data node
+/// password left out, each exit 77 at once without running the command;
+/// with both right the command runs; an unknown query name is 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a8_sentinel_refused_credentials_are_77_and_the_right_ones_run() {
+    use lock_redis::testing::{SentinelAuth, SentinelGroup, MASTER_NAME};
+    let data = format!("{:032x}", rand::random::<u128>());
+    let sentinel = format!("{:032x}", rand::random::<u128>());
+    let auth = SentinelAuth {
+        data_node_password: Some(data.clone()),
+        sentinel_password: Some(sentinel.clone()),
+    };
+    let group = tokio::task::spawn_blocking(move || SentinelGroup::start_with_auth(1, &auth))
+        .await
+        .unwrap()
+        .expect("a Sentinel group with passwords");
+    let hosts = hosts_of(&group.sentinel_urls());
+    let wrong = format!("{:032x}", rand::random::<u128>());
+    let url = format!("redis+sentinel://:{wrong}@{hosts}/{MASTER_NAME}?data_password={data}");
+    refused(&["--url", &url, "--key", "k"], 77, "refused", &wrong).await;
+    let url = format!("redis+sentinel://:{sentinel}@{hosts}/{MASTER_NAME}");
+    refused(&["--url", &url, "--key", "k"], 77, "", &sentinel).await;
+
+    let url = format!("redis+sentinel://:{sentinel}@{hosts}/{MASTER_NAME}?data_password={data}");
+    let scratch = Scratch::new();
+    let ran = scratch.path("ran").display().to_string();
+    let output = finish(&mut withlock([
+        "run",
+        "--url",
+        &url,
+        "--key",
+        "sentinel-auth",
+        "--",
+        "touch",
+        &ran,
+    ]))
+    .await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(scratch.path("ran").exists(), "the command ran");
+
+    let output = finish(&mut withlock([
+        "run",
+        "--url",
+        &format!("{url}&password={data}"),
+        "--key",
+        "k",
+        "--",
+        "true",
+    ]))
+    .await;
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(!stderr(&output).contains(&data), "{}", stderr(&output));
+}
+
+/// SPEC A8 on Cluster: a wrong password for an ACL user of every node
+/// exits 77 at once; the right one runs the command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a8_cluster_wrong_password_is_77() {
+    let cluster = tokio::task::block_in_place(lock_redis::testing::shared_cluster);
+    let name = format!("withlock-test-{:016x}", rand::random::<u64>());
+    let password = format!("{:032x}", rand::random::<u128>());
+    let acl = |args: &[&str]| {
+        for url in cluster.urls() {
+            let mut conn = lock_redis::redis::Client::open(url.as_str())
+                .unwrap()
+                .get_connection()
+                .unwrap();
+            let mut cmd = lock_redis::redis::cmd("ACL");
+            for arg in args {
+                cmd.arg(*arg);
+            }
+            let _: lock_redis::redis::Value = cmd.query(&mut conn).unwrap();
+        }
+    };
+    let secret = format!(">{password}");
+    acl(&["SETUSER", &name, "on", &secret, "~*", "&*", "+@all"]);
+    let hosts = hosts_of(&cluster.urls());
+    let wrong = format!("{:032x}", rand::random::<u128>());
+    let url = format!("redis+cluster://{name}:{wrong}@{hosts}");
+    refused(&["--url", &url, "--key", "k"], 77, "", &wrong).await;
+    let url = format!("redis+cluster://{name}:{password}@{hosts}");
+    let key = format!("withlock-test-acl-{:016x}", rand::random::<u64>());
+    let output = finish(&mut withlock([
+        "run", "--url", &url, "--key", &key, "--", "true",
+    ]))
+    .await;
+    acl(&["DELUSER", &name]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+}
