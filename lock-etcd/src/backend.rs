@@ -31,7 +31,8 @@ pub const MAX_EXTEND_BATCH: usize = 128;
 /// A lock backend on etcd, in the key layout of etcd's own
 /// `concurrency.Mutex` (see the crate docs).
 ///
-/// Cheap to clone; clones share the client, the keep-alive stream and the
+/// Cheap to clone; clones share the endpoint in use (see
+/// [`EtcdConfig::failover_timeout`]), the keep-alive stream and the
 /// watch stream, whose tasks stop when the last clone is dropped.
 #[derive(Clone)]
 pub struct EtcdBackend {
