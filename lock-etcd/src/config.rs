@@ -46,8 +46,8 @@ pub struct EtcdConfig {
     pub step_timeout: Duration,
     /// How long a request may wait for the endpoint in use before the
     /// backend moves to the next endpoint of the list. A request whose
-    /// connection fails (refused, reset, found dead by the HTTP/2 pings
-    /// every half step timeout, or a member without a leader) moves it at
+    /// connection fails (refused, reset, found dead by the HTTP/2 pings,
+    /// or a member without a leader) moves it at
     /// once. Reads and keep-alives are then sent again on the new
     /// endpoint within the same step; a step that cannot be sent twice (a
     /// release's or a minimum hold's conditional write) waits on for the

@@ -187,10 +187,25 @@ async fn faults_minority_member_stopped_locking_goes_on() {
     let follower = (leader + 1) % cluster.len();
     let window = Arc::new(Mutex::new(None));
     let w = Arc::clone(&window);
+    let probe = EtcdBackend::connect(cluster.config_from(follower))
+        .await
+        .unwrap();
+    assert_eq!(probe.endpoint(), cluster.endpoint(follower));
     let fault = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         cluster.pause(follower).unwrap();
         let stopped_at = Instant::now();
+        // A backend of its own takes a lock at once on the next member.
+        let cfg = LockConfig::default().ttl(Duration::from_secs(1));
+        let probe_key = lock_conformance::Namespace::new().key("probe");
+        tokio::time::timeout(
+            Duration::from_secs(3),
+            Locker::new(probe.clone()).with_lock_config(&probe_key, &cfg, |_| async {}),
+        )
+        .await
+        .expect("a backend on the stopped member fails over")
+        .unwrap();
+        assert_ne!(probe.endpoint(), cluster.endpoint(follower));
         tokio::time::sleep(Duration::from_secs(4)).await;
         *w.lock().unwrap() = Some((stopped_at, Instant::now()));
         cluster.resume(follower).unwrap();
