@@ -7,7 +7,7 @@ use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarge
 use lock_core::{async_trait, AdminError, BackendError, LockAdmin, LockInfo, OwnerToken};
 
 use crate::backend::{release_ops, EtcdBackend};
-use crate::error::step_error;
+use crate::endpoints::Again;
 use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECORDS};
 
 /// Lists, inspects and force-releases locks in etcd's `Mutex` layout.
@@ -34,11 +34,11 @@ impl LockAdmin for EtcdBackend {
             GetOptions::new().with_prefix()
         };
         let read = self
-            .client()
-            .kv_client()
-            .get(prefix, Some(options))
-            .await
-            .map_err(step_error)?;
+            .call(Again::Yes, |mut client| {
+                let options = options.clone();
+                async move { client.get(prefix, Some(options)).await }
+            })
+            .await?;
         let mut holders: BTreeMap<String, KeyValue> = BTreeMap::new();
         for kv in read.kvs() {
             if kv.key().starts_with(RECORDS.as_bytes()) {
@@ -69,11 +69,10 @@ impl LockAdmin for EtcdBackend {
             Some(kv) => self.info(key.to_owned(), &kv).await,
             None => {
                 let record = self
-                    .client()
-                    .kv_client()
-                    .get(record_key(key), None)
-                    .await
-                    .map_err(step_error)?;
+                    .call(Again::Yes, |mut client| async move {
+                        client.get(record_key(key), None).await
+                    })
+                    .await?;
                 let token = record
                     .kvs()
                     .first()
@@ -111,14 +110,21 @@ impl LockAdmin for EtcdBackend {
                     String::from_utf8_lossy(kv.key()).into_owned(),
                     u64::try_from(kv.create_revision()).unwrap_or(0),
                 ));
+            // Sent twice, a delete that went through the first time would
+            // fail its comparison the second.
             let answer = self
-                .client()
-                .kv_client()
-                .txn(txn)
-                .await
-                .map_err(step_error)?;
+                .call(Again::No, |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
+                .await?;
             if answer.succeeded() {
-                let _ = self.client().lease_client().revoke(kv.lease()).await;
+                let lease = kv.lease();
+                let _ = self
+                    .call(Again::Yes, |mut client| async move {
+                        client.lease_revoke(lease).await
+                    })
+                    .await;
                 return Ok(Some(info));
             }
         }
@@ -133,19 +139,15 @@ impl EtcdBackend {
     /// The contender of `name` with the lowest create revision.
     async fn holder(&self, name: &str) -> Result<Option<KeyValue>, BackendError> {
         let (start, end) = contender_range(name);
+        let options = GetOptions::new()
+            .with_range(end)
+            .with_sort(SortTarget::Create, SortOrder::Ascend);
         let read = self
-            .client()
-            .kv_client()
-            .get(
-                start,
-                Some(
-                    GetOptions::new()
-                        .with_range(end)
-                        .with_sort(SortTarget::Create, SortOrder::Ascend),
-                ),
-            )
-            .await
-            .map_err(step_error)?;
+            .call(Again::Yes, |mut client| {
+                let (start, options) = (start.clone(), options.clone());
+                async move { client.get(start, Some(options)).await }
+            })
+            .await?;
         Ok(read
             .kvs()
             .iter()
@@ -159,12 +161,12 @@ impl EtcdBackend {
         let ttl = if kv.lease() == 0 {
             None
         } else {
+            let lease = kv.lease();
             let left = self
-                .client()
-                .lease_client()
-                .time_to_live(kv.lease(), None)
-                .await
-                .map_err(step_error)?
+                .call(Again::Yes, |mut client| async move {
+                    client.lease_time_to_live(lease, None).await
+                })
+                .await?
                 .ttl();
             Some(Duration::from_secs(u64::try_from(left).unwrap_or(0)))
         };

@@ -17,7 +17,8 @@ use lock_core::{
 };
 
 use crate::config::EtcdConfig;
-use crate::error::{is_refusal, protocol, step_error, SetupError};
+use crate::endpoints::{is_endpoint_failure, Again, Endpoints};
+use crate::error::{is_refusal, protocol, SetupError};
 use crate::keepalive::KeepAlives;
 use crate::layout::{contender_key, contender_range, is_contender, record_key};
 use crate::watch::Watches;
@@ -30,7 +31,8 @@ pub const MAX_EXTEND_BATCH: usize = 128;
 /// A lock backend on etcd, in the key layout of etcd's own
 /// `concurrency.Mutex` (see the crate docs).
 ///
-/// Cheap to clone; clones share the client, the keep-alive stream and the
+/// Cheap to clone; clones share the endpoint in use (see
+/// [`EtcdConfig::failover_timeout`]), the keep-alive stream and the
 /// watch stream, whose tasks stop when the last clone is dropped.
 #[derive(Clone)]
 pub struct EtcdBackend {
@@ -38,7 +40,8 @@ pub struct EtcdBackend {
 }
 
 struct Inner {
-    client: Client,
+    /// The endpoint in use, and the failover to the next.
+    endpoints: Arc<Endpoints>,
     config: EtcdConfig,
     /// The shortest lease granted, in whole seconds.
     min_ttl_secs: i64,
@@ -103,29 +106,57 @@ impl EtcdBackend {
                 }
             }
         };
+        let failover_after = config.failover_timeout.min(config.step_timeout);
+        let note = |error: etcd_client::Error| {
+            tracing::debug!(%error, "etcd did not grant the check's lease yet");
+            *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+        };
         // The check is tried again until the connect timeout while the
         // cluster answers with a passing error (no leader yet, an endpoint
-        // down): only a refusal ends it at once.
+        // down, passed over to the next): only a refusal ends it at once.
         let check = async {
-            let mut client = Client::connect(&config.endpoints, Some(options))
-                .await
-                .map_err(connect_error)?;
+            let endpoints = loop {
+                match Endpoints::connect(config.endpoints.clone(), options.clone(), failover_after)
+                    .await
+                {
+                    Ok(endpoints) => break endpoints,
+                    Err(error) if is_refusal(&error) => return Err(connect_error(error)),
+                    Err(error) => note(error),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
             loop {
-                match client.lease_grant(1, None).await {
-                    Ok(granted) => {
-                        let _ = client.lease_revoke(granted.id()).await;
-                        return Ok::<_, SetupError>((client, granted.ttl()));
-                    }
-                    Err(error) if is_refusal(&error) => return Err(SetupError::Refused(error)),
+                let pin = match endpoints.pin().await {
+                    Ok(pin) => pin,
+                    Err(error) if is_refusal(&error) => return Err(connect_error(error)),
                     Err(error) => {
-                        tracing::debug!(%error, "etcd did not grant the check's lease yet");
-                        *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
+                        note(error);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let mut client = pin.client;
+                match tokio::time::timeout(failover_after, client.lease_grant(1, None)).await {
+                    Ok(Ok(granted)) => {
+                        let _ = client.lease_revoke(granted.id()).await;
+                        return Ok::<_, SetupError>((endpoints, granted.ttl()));
+                    }
+                    Ok(Err(error)) if is_refusal(&error) => return Err(SetupError::Refused(error)),
+                    Ok(Err(error)) => {
+                        if is_endpoint_failure(&error) {
+                            endpoints.failed(pin.generation, &error);
+                        }
+                        note(error);
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
+                    Err(_) => endpoints.failed(
+                        pin.generation,
+                        &format_args!("no answer within {failover_after:?}"),
+                    ),
                 }
             }
         };
-        let (client, floor) = match tokio::time::timeout(config.connect_timeout, check).await {
+        let (endpoints, floor) = match tokio::time::timeout(config.connect_timeout, check).await {
             Ok(checked) => checked?,
             Err(_) => {
                 return Err(SetupError::Connect {
@@ -134,16 +165,17 @@ impl EtcdBackend {
                 })
             }
         };
+        let endpoints = Arc::new(endpoints);
         let configured = config.min_ttl.map_or(1, whole_seconds);
         let min_ttl_secs = floor.max(configured).max(1);
         let hub = ReleaseHub::new();
         let watches = config
             .release_notifications
-            .then(|| Watches::start(&client, hub.clone(), config.step_timeout));
+            .then(|| Watches::start(&endpoints, hub.clone(), config.step_timeout));
         Ok(Self {
             inner: Arc::new(Inner {
-                keep_alives: KeepAlives::start(&client, config.step_timeout),
-                client,
+                keep_alives: KeepAlives::start(&endpoints),
+                endpoints,
                 config,
                 min_ttl_secs,
                 leases: Mutex::new(HashMap::new()),
@@ -168,9 +200,27 @@ impl EtcdBackend {
         Self::connect(EtcdConfig::from_url(url)?).await
     }
 
-    /// The client the steps use, for anything else you do with etcd.
-    pub fn client(&self) -> &Client {
-        &self.inner.client
+    /// The client of the endpoint the steps use now, for anything else
+    /// you do with etcd. It stays on that endpoint: it does not follow a
+    /// later failover (ask again after one).
+    pub fn client(&self) -> Client {
+        self.inner.endpoints.last_client()
+    }
+
+    /// The endpoint the steps use now (see
+    /// [`EtcdConfig::failover_timeout`] for when it changes).
+    pub fn endpoint(&self) -> String {
+        self.inner.endpoints.pinned_url()
+    }
+
+    /// Sends one request on the endpoint in use, failing over as
+    /// [`Endpoints::call`] says.
+    pub(crate) async fn call<T, F, Fut>(&self, again: Again, send: F) -> Result<T, BackendError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.inner.endpoints.call(again, send).await
     }
 
     /// The config the backend was made with.
@@ -235,13 +285,13 @@ impl EtcdBackend {
             return Ok(remembered);
         }
         let (start, end) = contender_range(name);
+        let options = GetOptions::new().with_range(end);
         let read = self
-            .inner
-            .client
-            .kv_client()
-            .get(start, Some(GetOptions::new().with_range(end)))
-            .await
-            .map_err(step_error)?;
+            .call(Again::Yes, |mut client| {
+                let (start, options) = (start.clone(), options.clone());
+                async move { client.get(start, Some(options)).await }
+            })
+            .await?;
         Ok(read
             .kvs()
             .iter()
@@ -253,7 +303,12 @@ impl EtcdBackend {
     /// already gone is fine, and any other failure only leaves it to
     /// expire with its ttl.
     async fn revoke_quietly(&self, lease: i64) {
-        if let Err(error) = self.inner.client.lease_client().revoke(lease).await {
+        let revoked = self
+            .call(Again::Yes, |mut client| async move {
+                client.lease_revoke(lease).await
+            })
+            .await;
+        if let Err(error) = revoked {
             tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
         }
     }
@@ -293,13 +348,13 @@ impl EtcdBackend {
                 TxnOp::get(start, Some(GetOptions::new().with_range(end)))
             })
             .collect();
+        let txn = Txn::new().and_then(reads);
         let answer = self
-            .inner
-            .client
-            .kv_client()
-            .txn(Txn::new().and_then(reads))
-            .await
-            .map_err(step_error)?;
+            .call(Again::Yes, |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?;
         let found = answer.op_responses();
         if found.len() != requests.len() {
             return Err(protocol(
@@ -408,11 +463,13 @@ impl LockBackend for EtcdBackend {
     ) -> Result<AcquireOutcome, BackendError> {
         let secs = self.lease_secs(ttl);
         self.step("try_acquire", async {
-            let mut client = self.inner.client.clone();
-            let lease = client
-                .lease_grant(secs, None)
-                .await
-                .map_err(step_error)?
+            // Sent again after a failover, a grant may leave a lease
+            // unused: it expires with its ttl.
+            let lease = self
+                .call(Again::Yes, |mut client| async move {
+                    client.lease_grant(secs, None).await
+                })
+                .await?
                 .id();
             self.remember(key, owner, lease);
             let (start, end) = contender_range(key);
@@ -428,29 +485,52 @@ impl LockBackend for EtcdBackend {
                 ),
                 TxnOp::get(start, Some(contenders)),
             ]);
-            let answer = client.txn(txn).await.map_err(step_error)?;
-            let revision = answer
-                .header()
-                .map(|h| h.revision())
-                .ok_or_else(|| protocol("a transaction answered without a header"))?;
-            let lowest = match answer.op_responses().get(1) {
-                Some(TxnOpResponse::Get(read)) => read
-                    .kvs()
-                    .iter()
-                    .find(|kv| is_contender(key, kv.key()))
-                    .map(|kv| kv.create_revision()),
-                _ => None,
-            }
-            .ok_or_else(|| protocol("the acquisition's read did not find its own key"))?;
-            if lowest == revision {
+            // Sent again after a failover, the put finds its own key and
+            // leaves its create revision as it was: the read compares
+            // create revisions, so the second answer is the first's.
+            let answer = self
+                .call(Again::Yes, |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
+                .await?;
+            let mine = contender_key(key, lease);
+            let (lowest, own) = match answer.op_responses().get(1) {
+                Some(TxnOpResponse::Get(read)) => {
+                    let mut contenders = read.kvs().iter().filter(|kv| is_contender(key, kv.key()));
+                    let lowest = contenders.next().map(|kv| kv.create_revision());
+                    let own = read
+                        .kvs()
+                        .iter()
+                        .find(|kv| kv.key() == mine.as_bytes())
+                        .map(|kv| kv.create_revision());
+                    (lowest, own)
+                }
+                _ => (None, None),
+            };
+            let (Some(lowest), Some(own)) = (lowest, own) else {
+                return Err(protocol("the acquisition's read did not find its own key"));
+            };
+            if lowest == own {
                 let token =
-                    u64::try_from(revision).map_err(|_| protocol("a negative create revision"))?;
+                    u64::try_from(own).map_err(|_| protocol("a negative create revision"))?;
                 return Ok(AcquireOutcome::Acquired {
                     fencing_token: token,
                 });
             }
             // Busy: withdraw, or the key would stand in line.
-            client.lease_revoke(lease).await.map_err(step_error)?;
+            self.call(Again::Yes, |mut client| async move {
+                match client.lease_revoke(lease).await {
+                    // Revoked by the first of two sends.
+                    Err(etcd_client::Error::GRpcStatus(status))
+                        if status.code() == tonic::Code::NotFound =>
+                    {
+                        Ok(())
+                    }
+                    answer => answer.map(drop),
+                }
+            })
+            .await?;
             self.forget(key, owner);
             Ok(AcquireOutcome::Busy)
         })
@@ -507,13 +587,14 @@ impl LockBackend for EtcdBackend {
                     Compare::lease(contender.clone(), CompareOp::Equal, id),
                 ])
                 .and_then(release_ops(key, contender, lease.fencing_token()));
+            // Sent twice, a delete that went through the first time would
+            // answer "not held" the second.
             let answer = self
-                .inner
-                .client
-                .kv_client()
-                .txn(txn)
-                .await
-                .map_err(step_error)?;
+                .call(Again::No, |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
+                .await?;
             self.revoke_quietly(id).await;
             self.forget(key, owner);
             Ok(if answer.succeeded() {
@@ -539,11 +620,11 @@ impl LockBackend for EtcdBackend {
             let Some(id) = self.lease_of(key, owner).await? else {
                 return Ok(ExtendOutcome::Expired);
             };
-            let mut client = self.inner.client.clone();
-            let new = client
-                .lease_grant(secs, None)
-                .await
-                .map_err(step_error)?
+            let new = self
+                .call(Again::Yes, |mut client| async move {
+                    client.lease_grant(secs, None).await
+                })
+                .await?
                 .id();
             let contender = contender_key(key, id);
             let txn = Txn::new()
@@ -556,7 +637,14 @@ impl LockBackend for EtcdBackend {
                     owner.as_str(),
                     Some(PutOptions::new().with_lease(new)),
                 )]);
-            let answer = client.txn(txn).await.map_err(step_error)?;
+            // Sent twice, a move that went through the first time would
+            // find the key on the new lease the second.
+            let answer = self
+                .call(Again::No, |mut client| {
+                    let txn = txn.clone();
+                    async move { client.txn(txn).await }
+                })
+                .await?;
             if !answer.succeeded() {
                 self.revoke_quietly(new).await;
                 return Ok(ExtendOutcome::Expired);

@@ -14,6 +14,7 @@ use crate::error::SetupError;
 /// | [`user`](Self::user) | none (no authentication) |
 /// | [`step_timeout`](Self::step_timeout) | 2 s |
 /// | [`connect_timeout`](Self::connect_timeout) | 2 s |
+/// | [`failover_timeout`](Self::failover_timeout) | 1 s |
 /// | [`release_notifications`](Self::release_notifications) | on |
 /// | [`min_ttl`](Self::min_ttl) | measured at connect |
 ///
@@ -22,7 +23,9 @@ use crate::error::SetupError;
 #[non_exhaustive]
 pub struct EtcdConfig {
     /// The cluster's client URLs (`http://host:2379`, `https://…` with
-    /// TLS); the client balances over them and fails over between them.
+    /// TLS). The backend talks to one at a time, the first to begin with,
+    /// and moves to the next (wrapping around) when it fails: see
+    /// [`failover_timeout`](Self::failover_timeout).
     ///
     /// Default: `["http://127.0.0.1:2379"]`.
     pub endpoints: Vec<String>,
@@ -41,6 +44,18 @@ pub struct EtcdConfig {
     ///
     /// Default: 2 s.
     pub step_timeout: Duration,
+    /// How long a request may wait for the endpoint in use before the
+    /// backend moves to the next endpoint of the list. A request whose
+    /// connection fails (refused, reset, found dead by the HTTP/2 pings,
+    /// or a member without a leader) moves it at
+    /// once. Reads and keep-alives are then sent again on the new
+    /// endpoint within the same step; a step that cannot be sent twice (a
+    /// release's or a minimum hold's conditional write) waits on for the
+    /// rest of its step timeout. The keep-alive and watch streams move
+    /// with the endpoint. Capped at the step timeout.
+    ///
+    /// Default: 1 s.
+    pub failover_timeout: Duration,
     /// How long [`EtcdBackend::connect`](crate::EtcdBackend::connect) waits
     /// for the cluster to answer its checks.
     ///
@@ -70,6 +85,7 @@ impl Default for EtcdConfig {
             tls: None,
             step_timeout: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(2),
+            failover_timeout: Duration::from_secs(1),
             release_notifications: true,
             min_ttl: None,
         }
@@ -189,6 +205,13 @@ impl EtcdConfig {
         self
     }
 
+    /// Sets [`failover_timeout`](Self::failover_timeout). Defaults to 1 s.
+    #[must_use]
+    pub fn failover_timeout(mut self, timeout: Duration) -> Self {
+        self.failover_timeout = timeout;
+        self
+    }
+
     /// Sets [`release_notifications`](Self::release_notifications).
     /// Defaults to on.
     #[must_use]
@@ -227,6 +250,9 @@ impl EtcdConfig {
         }
         if self.connect_timeout.is_zero() {
             return invalid("connect_timeout", "is zero");
+        }
+        if self.failover_timeout.is_zero() {
+            return invalid("failover_timeout", "is zero");
         }
         if self.min_ttl.is_some_and(|t| t.is_zero()) {
             return invalid("min_ttl", "is zero");
@@ -270,6 +296,7 @@ impl fmt::Debug for EtcdConfig {
         d.field("tls", &self.tls.is_some());
         d.field("step_timeout", &self.step_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("failover_timeout", &self.failover_timeout)
             .field("release_notifications", &self.release_notifications)
             .field("min_ttl", &self.min_ttl)
             .finish()

@@ -64,15 +64,21 @@ pub(crate) fn step_error(error: etcd_client::Error) -> BackendError {
     if is_refusal(&error) {
         return BackendError::setup(error);
     }
-    let kind = match &error {
-        etcd_client::Error::GRpcStatus(status)
-            if status.code() == Code::Unavailable && status.message().contains("connect") =>
-        {
-            BackendErrorKind::Unavailable
-        }
-        _ => BackendErrorKind::Request,
+    let kind = if nothing_sent(&error) {
+        BackendErrorKind::Unavailable
+    } else {
+        BackendErrorKind::Request
     };
     BackendError::new(kind, error)
+}
+
+/// Whether the request surely did not leave: its connection was refused.
+pub(crate) fn nothing_sent(error: &etcd_client::Error) -> bool {
+    matches!(
+        error,
+        etcd_client::Error::GRpcStatus(status)
+            if status.code() == Code::Unavailable && status.message().contains("connect")
+    )
 }
 
 /// An answer etcd should not give.

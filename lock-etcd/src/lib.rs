@@ -3,6 +3,7 @@
 mod admin;
 mod backend;
 mod config;
+mod endpoints;
 mod error;
 mod keepalive;
 mod layout;

@@ -207,11 +207,21 @@ impl EtcdCluster {
         format!("etcd://{}", hosts.join(","))
     }
 
-    /// A config on every member, with a short step timeout (1 s) so that
-    /// a step sent to a stopped member fails over soon.
+    /// A config on every member (member 0 first, so the one in use),
+    /// with short timeouts so that a backend on a stopped member fails
+    /// over soon: a step timeout of 1 s and a failover timeout of 300 ms.
     pub fn config(&self) -> EtcdConfig {
-        EtcdConfig::new(self.endpoints())
+        self.config_from(0)
+    }
+
+    /// [`config`](Self::config) with the members in the order `first`,
+    /// `first + 1`, …: member `first` is the one the backend uses until
+    /// it fails.
+    pub fn config_from(&self, first: usize) -> EtcdConfig {
+        let n = self.members.len();
+        EtcdConfig::new((0..n).map(|i| self.endpoint((first + i) % n)))
             .step_timeout(Duration::from_secs(1))
+            .failover_timeout(Duration::from_millis(300))
             .connect_timeout(Duration::from_secs(5))
     }
 

@@ -14,18 +14,21 @@
 //! and `watch` returns only then, so no release after it is missed. When
 //! the stream breaks, every waiter is woken (it may have missed a
 //! release), and the watches still wanted are made again on a new stream.
+//! The stream is on the endpoint in use: a stream that breaks, or whose
+//! watch goes unconfirmed for the failover timeout, passes its endpoint
+//! over, and after any failover the stream is made again on the new
+//! endpoint, at once.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, EventType, GetOptions, WatchOptions, WatchRequestSender, WatchResponseStream,
-};
+use etcd_client::{EventType, GetOptions, WatchOptions, WatchRequestSender, WatchResponseStream};
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::endpoints::{Again, Endpoints};
 use crate::error::step_error;
 use crate::layout::{contender_range, is_contender};
 
@@ -50,13 +53,18 @@ pub(crate) struct Watches {
 
 impl Watches {
     /// Starts the task; the stream opens at the first watch.
-    pub(crate) fn start(client: &Client, hub: ReleaseHub, step_timeout: Duration) -> Self {
+    pub(crate) fn start(
+        endpoints: &Arc<Endpoints>,
+        hub: ReleaseHub,
+        step_timeout: Duration,
+    ) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
         let task = Task {
-            client: client.clone(),
+            endpoints: Arc::clone(endpoints),
             hub,
             step_timeout,
             stream: None,
+            trying: 0,
             names: HashMap::new(),
             by_id: HashMap::new(),
             creating: VecDeque::new(),
@@ -98,26 +106,36 @@ struct Watched {
     contenders: HashMap<Vec<u8>, i64>,
 }
 
+struct Stream {
+    sender: WatchRequestSender,
+    responses: WatchResponseStream,
+    /// The pin it was opened on.
+    generation: u64,
+}
+
 struct Task {
-    client: Client,
+    endpoints: Arc<Endpoints>,
     hub: ReleaseHub,
     step_timeout: Duration,
-    stream: Option<(WatchRequestSender, WatchResponseStream)>,
+    stream: Option<Stream>,
+    /// The pin the stream is being opened on.
+    trying: u64,
     names: HashMap<Arc<str>, Watched>,
     by_id: HashMap<i64, Arc<str>>,
-    /// Names whose watch was asked for and not confirmed yet, in order:
-    /// etcd confirms the watches of one stream in the order asked.
-    creating: VecDeque<Arc<str>>,
+    /// Names whose watch was asked for and not confirmed yet, in order
+    /// (etcd confirms the watches of one stream in the order asked), with
+    /// when each was asked.
+    creating: VecDeque<(Arc<str>, Instant)>,
     /// Names to watch again on a new stream.
     rebuild: Vec<Arc<str>>,
     rebuild_at: Option<Instant>,
 }
 
 async fn next_message(
-    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+    stream: &mut Option<Stream>,
 ) -> Result<Option<etcd_client::WatchResponse>, etcd_client::Error> {
     match stream {
-        Some((_, responses)) => responses.message().await,
+        Some(stream) => stream.responses.message().await,
         None => std::future::pending().await,
     }
 }
@@ -133,7 +151,12 @@ impl Task {
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<Command>) {
         let mut sweep = tokio::time::interval(SWEEP);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut switched = self.endpoints.subscribe();
         loop {
+            let unconfirmed = self
+                .creating
+                .front()
+                .map(|(_, asked)| *asked + self.endpoints.failover_after());
             tokio::select! {
                 command = commands.recv() => match command {
                     None => return,
@@ -141,8 +164,23 @@ impl Task {
                 },
                 message = next_message(&mut self.stream) => match message {
                     Ok(Some(response)) => self.answer(&response),
-                    Ok(None) | Err(_) => self.broken(),
+                    Ok(None) | Err(_) => {
+                        self.pass_over("the watch stream broke");
+                        self.broken();
+                    }
                 },
+                () = sleep_until(unconfirmed) => {
+                    self.pass_over("a watch went unconfirmed");
+                    self.broken();
+                }
+                Ok(()) = switched.changed() => {
+                    // The endpoint changed: the stream moves to the new
+                    // one now.
+                    if self.stream.as_ref().is_some_and(|s| s.generation != *switched.borrow_and_update()) {
+                        self.broken();
+                        self.rebuild_at = Some(Instant::now());
+                    }
+                }
                 () = sleep_until(self.rebuild_at) => {
                     self.rebuild_at = None;
                     for name in std::mem::take(&mut self.rebuild) {
@@ -182,12 +220,16 @@ impl Task {
                         contenders,
                     },
                 );
-                self.creating.push_back(name);
+                self.creating.push_back((name, Instant::now()));
                 return;
             }
             Ok(Err(error)) => Err(error),
             Err(_) => {
                 // The stream may be hung.
+                if self.stream.is_none() {
+                    self.endpoints
+                        .failed(self.trying, &"no watch stream within the step timeout");
+                }
                 self.broken();
                 Err(BackendError::timeout("watch", self.step_timeout))
             }
@@ -201,15 +243,23 @@ impl Task {
     /// after that read, so that nothing between the two is missed.
     async fn make(&mut self, name: &str) -> Result<HashMap<Vec<u8>, i64>, BackendError> {
         let (start, end) = contender_range(name);
+        let read_options = GetOptions::new().with_range(end.clone()).with_keys_only();
         let read = self
-            .client
-            .kv_client()
-            .get(
-                start.clone(),
-                Some(GetOptions::new().with_range(end.clone()).with_keys_only()),
-            )
-            .await
-            .map_err(step_error)?;
+            .endpoints
+            .call(Again::Yes, |mut client| {
+                let (start, options) = (start.clone(), read_options.clone());
+                async move { client.get(start, Some(options)).await }
+            })
+            .await?;
+        // A stream left on an endpoint passed over moves first.
+        if self
+            .stream
+            .as_ref()
+            .is_some_and(|s| s.generation != self.endpoints.generation())
+        {
+            self.broken();
+            self.rebuild_at = Some(Instant::now());
+        }
         let revision = read.header().map_or(0, |h| h.revision());
         let contenders = read
             .kvs()
@@ -221,18 +271,26 @@ impl Task {
             .with_range(end)
             .with_start_revision(revision + 1);
         match &mut self.stream {
-            Some((sender, _)) => sender
+            Some(stream) => stream
+                .sender
                 .watch(start, Some(options))
                 .await
                 .map_err(step_error)?,
             None => {
-                let stream = self
+                let pin = self.endpoints.pin().await.map_err(step_error)?;
+                self.trying = pin.generation;
+                let (sender, responses) = pin
                     .client
                     .watch_client()
                     .watch(start, Some(options))
                     .await
-                    .map_err(step_error)?;
-                self.stream = Some(stream.split());
+                    .map_err(step_error)?
+                    .split();
+                self.stream = Some(Stream {
+                    sender,
+                    responses,
+                    generation: pin.generation,
+                });
             }
         }
         Ok(contenders)
@@ -241,7 +299,7 @@ impl Task {
     fn answer(&mut self, response: &etcd_client::WatchResponse) {
         let id = response.watch_id();
         if response.created() {
-            let Some(name) = self.creating.pop_front() else {
+            let Some((name, _)) = self.creating.pop_front() else {
                 return;
             };
             let Some(watched) = self.names.get_mut(&name) else {
@@ -308,6 +366,13 @@ impl Task {
         }
     }
 
+    /// The stream's endpoint failed: the next one is pinned.
+    fn pass_over(&self, why: &'static str) {
+        if let Some(stream) = &self.stream {
+            self.endpoints.failed(stream.generation, &why);
+        }
+    }
+
     /// The stream broke: every caller waiting is answered, every waiter
     /// woken, and the watches still wanted are made again soon.
     fn broken(&mut self) {
@@ -337,8 +402,8 @@ impl Task {
         for (name, id) in unwatched {
             self.names.remove(&name);
             self.by_id.remove(&id);
-            if let Some((sender, _)) = &mut self.stream {
-                if sender.cancel(id).await.is_err() {
+            if let Some(stream) = &mut self.stream {
+                if stream.sender.cancel(id).await.is_err() {
                     self.broken();
                     return;
                 }
