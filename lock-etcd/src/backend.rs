@@ -113,13 +113,19 @@ impl EtcdBackend {
         };
         // The check is tried again until the connect timeout while the
         // cluster answers with a passing error (no leader yet, an endpoint
-        // down, passed over to the next): only a refusal ends it at once.
+        // down, passed over to the next): only a refusal or a malformed
+        // endpoint ends it at once.
         let check = async {
             let endpoints = loop {
                 match Endpoints::connect(config.endpoints.clone(), options.clone(), failover_after)
                     .await
                 {
                     Ok(endpoints) => break endpoints,
+                    // An endpoint that is no URI stays one.
+                    Err(
+                        error @ (etcd_client::Error::InvalidUri(_)
+                        | etcd_client::Error::InvalidArgs(_)),
+                    ) => return Err(connect_error(error)),
                     Err(error) if is_refusal(&error) => return Err(connect_error(error)),
                     Err(error) => note(error),
                 }

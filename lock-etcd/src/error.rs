@@ -47,8 +47,12 @@ pub(crate) fn is_refusal(error: &etcd_client::Error) -> bool {
     match error {
         etcd_client::Error::GRpcStatus(status) => match status.code() {
             Code::Unauthenticated | Code::PermissionDenied => true,
-            // etcd answers a wrong password with InvalidArgument.
-            Code::InvalidArgument => status.message().contains("authentication failed"),
+            // etcd answers a wrong password, and a request without a user
+            // while authentication is on, with InvalidArgument.
+            Code::InvalidArgument => {
+                let message = status.message();
+                message.contains("authentication failed") || message.contains("user name is empty")
+            }
             _ => false,
         },
         _ => false,

@@ -443,12 +443,19 @@ async fn a8_refused_etcd_credentials_and_rights_are_77() {
         ("app:app-pw@", "permission denied"),
     ] {
         let url = format!("etcd://{user}{hosts}");
+        let started = std::time::Instant::now();
         let output = finish(&mut withlock([
             "run", "--url", &url, "--key", "k", "--", "touch", &ran,
         ]))
         .await;
         let message = stderr(&output);
         assert_eq!(code(&output), 77, "{user}: {message}");
+        // Not retried: the default wait would take about 2 s.
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(1800),
+            "{user}: took {:?}: retried?",
+            started.elapsed()
+        );
         assert!(message.contains(says), "{user}: {message}");
         assert!(message.contains("did not run"), "{user}: {message}");
         assert!(
