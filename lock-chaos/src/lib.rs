@@ -103,6 +103,7 @@
 //! | [`worker`] | one worker process |
 //! | [`coordinator`] | the run: servers, workers, faults, leak check |
 //! | [`server`] | the lock servers, their faults, reading who holds a key |
+//! | [`trace`] | the workers' record of each lock's release tries |
 //! | [`args`] | the command line |
 
 pub mod analysis;
@@ -111,4 +112,5 @@ pub mod coordinator;
 pub mod event;
 pub mod fence;
 pub mod server;
+pub mod trace;
 pub mod worker;

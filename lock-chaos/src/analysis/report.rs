@@ -36,11 +36,15 @@ pub enum Check {
     /// its holder \[L4\]: checked where faults touch some keys only
     /// ([`RunInfo::check_unfaulted_losses`]).
     UnfaultedLoss,
+    /// A finished callback, its lock not lost when its release was sent,
+    /// answered `Lost` because the release failed on a backend error
+    /// \[O6\].
+    LostAfterRelease,
 }
 
 impl Check {
     /// Every check, in report order.
-    pub const ALL: [Check; 8] = [
+    pub const ALL: [Check; 9] = [
         Self::Exclusion,
         Self::TokenOrder,
         Self::RefusedWrite,
@@ -49,6 +53,7 @@ impl Check {
         Self::Context,
         Self::Shutdown,
         Self::UnfaultedLoss,
+        Self::LostAfterRelease,
     ];
 
     /// The snake-case name.
@@ -62,6 +67,7 @@ impl Check {
             Self::Context => "context",
             Self::Shutdown => "shutdown",
             Self::UnfaultedLoss => "unfaulted_loss",
+            Self::LostAfterRelease => "lost_after_release",
         }
     }
 }
@@ -120,6 +126,11 @@ pub struct Summary {
     /// graceful shutdown cut it off; `none` when no fault did.
     #[serde(default)]
     pub losses_by_fault: BTreeMap<String, usize>,
+    /// Calls whose callback ended with its lock not lost and whose release
+    /// failed on a backend error at least once before `with_lock` returned
+    /// (each must give the callback's output or find the key taken \[O6\]).
+    #[serde(default)]
+    pub release_errors_after_settle: usize,
     /// Pairs of sections on one key that overlapped in time.
     pub overlaps: usize,
     /// Of those, the ones whose older holder was told of its loss.
@@ -252,6 +263,11 @@ impl fmt::Display for Report {
                 by.join(", ")
             )?;
         }
+        writeln!(
+            f,
+            "releases that failed after a callback settled with its lock: {}",
+            s.release_errors_after_settle
+        )?;
         writeln!(
             f,
             "overlaps: {} ({} after a loss report of the older holder, {} after the store lost its data under it)",
