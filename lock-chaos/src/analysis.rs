@@ -602,6 +602,7 @@ impl<'l> Analysis<'l> {
                 recovery_ms: recovery,
                 longest_unavailability_ms: gap / 1000,
                 unavailable_key: (!gap_key.is_empty()).then(|| gap_key.to_owned()),
+                held_through: self.held_through(f),
             };
             let s = &mut self.report.summary;
             s.longest_unavailability_ms = s
@@ -610,6 +611,22 @@ impl<'l> Analysis<'l> {
             *s.fault_counts.entry(f.kind).or_insert(0) += 1;
             s.faults.push(fault);
         }
+    }
+
+    /// Locks on keys `f` touched, taken before it began and given back
+    /// with `Ok` after it healed: for a fault that must cost no held lock,
+    /// what shows that some were put to the test.
+    fn held_through(&self, f: &Fault) -> usize {
+        self.sections
+            .iter()
+            .filter(|s| {
+                s.outcome == Outcome::Ok
+                    && s.held.is_some()
+                    && start(s) < f.t_start
+                    && s.t_return > f.t_end
+                    && self.touches(f, s, start(s), s.t_return)
+            })
+            .count()
     }
 
     /// Check 5.

@@ -384,11 +384,11 @@ mod tests {
         assert_eq!(
             run.faults,
             [
-                FaultKind::MasterStop,
-                FaultKind::ClientKill,
-                FaultKind::MasterKill,
                 FaultKind::MasterStopShort,
-                FaultKind::WorkerStop
+                FaultKind::ClientKill,
+                FaultKind::WorkerStop,
+                FaultKind::MasterStop,
+                FaultKind::MasterKill,
             ]
         );
         let Command::Run(run) = parse(&strings(

@@ -276,12 +276,14 @@ impl FaultKind {
                 Self::FollowerKill,
                 Self::WorkerStop,
             ],
+            // The failovers last: their time is the hardest to foresee, and
+            // a short run still has room for them after the others.
             "redis-cluster" => &[
-                Self::MasterStop,
-                Self::ClientKill,
-                Self::MasterKill,
                 Self::MasterStopShort,
+                Self::ClientKill,
                 Self::WorkerStop,
+                Self::MasterStop,
+                Self::MasterKill,
             ],
             "redis" => &[
                 Self::WorkerStop,

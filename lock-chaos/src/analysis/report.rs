@@ -104,6 +104,12 @@ pub struct FaultSummary {
     pub longest_unavailability_ms: u64,
     /// The key of that longest gap.
     pub unavailable_key: Option<String>,
+    /// Locks on the keys it touched (for a worker stop, that worker's)
+    /// taken before it began whose `with_lock` returned `Ok` after it
+    /// healed: for a fault that must cost no held lock, how many were put
+    /// to the test.
+    #[serde(default)]
+    pub held_through: usize,
 }
 
 /// The figures of a run.
@@ -320,12 +326,13 @@ impl fmt::Display for Report {
             for fault in &s.faults {
                 writeln!(
                     f,
-                    "  {:>+9.3}s {:<20} {:<7} {:>5} ms; recovered in {}; longest unavailability {} ms{}",
+                    "  {:>+9.3}s {:<20} {:<7} {:>5} ms; recovered in {}; {} locks held through; longest unavailability {} ms{}",
                     fault.at_ms as f64 / 1e3,
                     fault.kind.name(),
                     fault.target,
                     fault.duration_ms,
                     fault.recovery_ms.map_or_else(|| "-".to_owned(), |r| format!("{r} ms")),
+                    fault.held_through,
                     fault.longest_unavailability_ms,
                     fault
                         .unavailable_key

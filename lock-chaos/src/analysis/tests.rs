@@ -674,11 +674,28 @@ fn l4_a_loss_only_a_short_master_stop_or_cut_connections_touched_is_reported_on_
         detail: String::new(),
         keys: None,
     }));
+    // Held by 3000 (30000..30080, Ok) from before to after: kept.
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ClientKill,
+        target: "every node".into(),
+        t_start: 30_010 * MS,
+        t_end: 30_020 * MS,
+        detail: String::new(),
+        keys: None,
+    }));
     *section_mut(&mut events, 42) = section(0, 42, 420, 4200, 4280, Outcome::Lost);
     *section_mut(&mut events, 110) = section(0, 110, 1100, 11000, 11080, Outcome::Lost);
     *section_mut(&mut events, 200) = section(0, 200, 2000, 20000, 20080, Outcome::Lost);
     let report = analyse_events(on_a_cluster(events));
     assert_only(&report, Check::UnfaultedLoss, 2);
+    let kept: Vec<usize> = report
+        .summary
+        .faults
+        .iter()
+        .filter(|f| f.kind == FaultKind::ClientKill)
+        .map(|f| f.held_through)
+        .collect();
+    assert_eq!(kept, [0, 0, 1]);
     let by = &report.summary.losses_by_fault;
     assert_eq!(
         (
