@@ -472,9 +472,10 @@ impl<'l> Analysis<'l> {
     /// failed try that may have freed the key. So a finished callback whose
     /// lock was not lost when its release was first sent (the driver had
     /// found no expiry or failed extension), whose release failed, and
-    /// which `with_lock` answered `Lost` is a violation, unless a "not held"
-    /// answer came before any try that may have reached the store.
-    /// Shutdown's own releases are left out.
+    /// which `with_lock` answered `Lost` is a violation: with a backend-error
+    /// cause always; as taken when the release found the key gone only
+    /// after a try that may have freed it. Other causes (shutdown's own
+    /// release) are left out.
     fn lost_after_release(&mut self) {
         for s in self.sections.clone() {
             let (Some(held), Some(release)) = (&s.held, &s.release) else {
@@ -489,15 +490,29 @@ impl<'l> Analysis<'l> {
                 continue;
             }
             self.report.summary.release_errors_after_settle += 1;
-            if s.outcome != Outcome::Lost || cut_by_shutdown(s) {
+            if s.outcome != Outcome::Lost {
                 continue;
             }
-            let before_taken = release
+            let cause = s.cause.as_deref().unwrap_or_default();
+            // "Not held" after a try that may have freed the key.
+            let taken_after_maybe_freed = release
                 .answers
                 .iter()
                 .position(|a| *a == ReleaseAnswer::NotHeld)
-                .map(|at| &release.answers[..at]);
-            if before_taken.is_some_and(|before| !before.contains(&ReleaseAnswer::Error)) {
+                .is_some_and(|at| release.answers[..at].contains(&ReleaseAnswer::Error));
+            let wrong = if cause.starts_with(BACKEND_LOSS) {
+                // Only the failed release can have given it: nothing else
+                // is sent once the callback settled with its lock.
+                true
+            } else if cause.starts_with(TAKEN_LOSS) {
+                // An extension in flight when the callback settled may find
+                // the key taken itself; the answers then hold no "not held"
+                // after a try that may have freed the key.
+                taken_after_maybe_freed
+            } else {
+                false
+            };
+            if !wrong {
                 continue;
             }
             let answers: Vec<String> = release.answers.iter().map(|a| format!("{a:?}")).collect();
@@ -773,12 +788,10 @@ fn without_numbers(text: &str) -> String {
     out
 }
 
-/// Whether the loss is the locker's shutdown releasing the lock \[S1\].
-fn cut_by_shutdown(s: &Section) -> bool {
-    s.cause
-        .as_deref()
-        .is_some_and(|c| c.starts_with("the locker shut down"))
-}
+/// How `LossCause::Backend` reads in a section's cause.
+const BACKEND_LOSS: &str = "backend errors:";
+/// How `LossCause::Taken` reads.
+const TAKEN_LOSS: &str = "another owner took the key";
 
 fn start(s: &Section) -> u64 {
     s.held.as_ref().map_or(s.t_call, |h| h.t_start)

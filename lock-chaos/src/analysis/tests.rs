@@ -711,6 +711,8 @@ fn l4_a_loss_only_a_short_master_stop_or_cut_connections_touched_is_reported_on_
     );
 }
 
+const TAKEN: &str = "another owner took the key, or it was deleted or freed while held";
+
 /// Section `seq` of the clean log, turned into a finished callback whose
 /// release tries gave `answers`, its lock not lost when the first was
 /// sent, and that `with_lock` answered with `outcome`.
@@ -748,6 +750,7 @@ fn o6_a_finished_callback_answered_lost_because_its_release_failed_is_reported()
         &[ReleaseAnswer::Error, ReleaseAnswer::NotHeld],
         Outcome::Lost,
     );
+    section_mut(&mut events, 43).cause = Some(TAKEN.into());
     let report = analyse_events(events);
     assert_only(&report, Check::LostAfterRelease, 2);
     assert_eq!(report.summary.release_errors_after_settle, 2);
@@ -777,11 +780,24 @@ fn o6_a_failed_release_that_gave_the_output_or_found_the_key_taken_is_allowed() 
         .as_mut()
         .unwrap()
         .lost_before = true;
+    section_mut(&mut events, 43).cause = Some(TAKEN.into());
     // Released by the worker's own shutdown.
     with_failed_release(&mut events, 45, &[ReleaseAnswer::Error], Outcome::Lost);
     section_mut(&mut events, 45).cause = Some("the locker shut down and released the lock".into());
+    // Found taken by an extension in flight when the callback settled.
+    with_failed_release(&mut events, 46, &[ReleaseAnswer::Error], Outcome::Lost);
+    section_mut(&mut events, 46).cause = Some(TAKEN.into());
     let report = analyse_events(events);
     assert!(report.is_clean(), "{report}");
-    // 42, 43 and 45: the lock was not lost when their release failed.
-    assert_eq!(report.summary.release_errors_after_settle, 3);
+    // All but 44: the lock was not lost when their release failed.
+    assert_eq!(report.summary.release_errors_after_settle, 4);
+}
+
+#[test]
+fn the_loss_causes_read_as_the_driver_writes_them() {
+    use lock_core::{BackendError, LossCause};
+    let backend = LossCause::Backend(BackendError::setup(std::io::Error::other("down")));
+    assert!(backend.to_string().starts_with(BACKEND_LOSS), "{backend}");
+    assert!(LossCause::Taken.to_string().starts_with(TAKEN_LOSS));
+    assert_eq!(LossCause::Taken.to_string(), TAKEN);
 }
