@@ -50,8 +50,12 @@ pub fn backend(url: &str) -> Result<RedisClusterBackend, lock_redis::SetupError>
 #[derive(Debug)]
 pub struct ClusterServer {
     cluster: Arc<RedisCluster>,
-    /// Turns over the masters a fault picks.
+    /// Turns over the masters a failover picks.
     next_master: AtomicUsize,
+    /// Turns over the masters a short stop picks, apart: with both on one
+    /// counter, each kind would pick the same place in the list of masters
+    /// round after round.
+    next_short: AtomicUsize,
 }
 
 impl ClusterServer {
@@ -60,6 +64,7 @@ impl ClusterServer {
         Ok(Self {
             cluster: Arc::new(cluster),
             next_master: AtomicUsize::new(0),
+            next_short: AtomicUsize::new(0),
         })
     }
 
@@ -146,7 +151,7 @@ impl ClusterServer {
     /// as a failover's.
     async fn stop_short(&self, stop: Duration, keys: &[String]) -> Result<Injected, ServerError> {
         let c = Arc::clone(&self.cluster);
-        let turn = self.next_master.fetch_add(1, Ordering::Relaxed);
+        let turn = self.next_short.fetch_add(1, Ordering::Relaxed);
         let keys = keys.to_vec();
         blocking(move || {
             let (victim, served) = Self::next_victim(&c, turn, &keys)?;
