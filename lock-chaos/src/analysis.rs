@@ -16,7 +16,10 @@
 //! (every worker shut down in time and released everything \[S1, S3\]).
 //! Where a fault touches some keys only (a Redis Cluster master),
 //! [`Check::UnfaultedLoss`]: a lock whose key's store and holder no fault
-//! touched is never reported lost \[L4\].
+//! touched, or only one that must cost no held lock (a master stopped
+//! short of a failover, connections cut), is never reported lost \[L4\].
+//! On every backend, [`Check::LostAfterRelease`]: a finished callback whose
+//! release failed on a backend error gets its output, not `Lost` \[O6\].
 //!
 //! A store that loses a lock's write (Redis restarted empty, a Redis
 //! Cluster failover to a replica that missed it, or the old master
@@ -32,7 +35,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::event::{
-    Event, Fault, FaultKind, FencedWrite, LeakCheck, Outcome, RunInfo, RunLog, Section, WriteResult,
+    Event, Fault, FaultKind, FencedWrite, LeakCheck, Outcome, ReleaseAnswer, RunInfo, RunLog,
+    Section, WriteResult,
 };
 
 mod report;
@@ -61,6 +65,7 @@ pub fn analyse(log: &RunLog) -> Report {
     a.token_order();
     a.refused_writes();
     a.context();
+    a.lost_after_release();
     a.liveness();
     a.leaks();
     a.shutdown();
@@ -246,9 +251,17 @@ impl<'l> Analysis<'l> {
                 .copied()
                 .filter(|f| self.touches(f, s, s.t_call, s.t_return))
                 .collect();
-            let by = touching
+            // A fault that must cost no held lock (a master stopped short
+            // of a failover, connections cut) excuses none.
+            let excusing: Vec<&Fault> = touching
+                .iter()
+                .copied()
+                .filter(|f| !f.kind.keeps_locks())
+                .collect();
+            let by = excusing
                 .iter()
                 .find(|f| f.kind == FaultKind::WorkerStop)
+                .or(excusing.first())
                 .or(touching.first())
                 .map_or("none", |f| f.kind.name());
             *self
@@ -257,10 +270,18 @@ impl<'l> Analysis<'l> {
                 .losses_by_fault
                 .entry(by.to_owned())
                 .or_insert(0) += 1;
-            if by == "none" && self.check_unfaulted_losses {
+            if excusing.is_empty() && self.check_unfaulted_losses {
+                let why = match touching.first() {
+                    Some(f) => format!(
+                        "and only {} of {} touched its key's store or its holder, \
+                         which must cost no held lock",
+                        f.kind.name(),
+                        f.target
+                    ),
+                    None => "and no fault touched its key's store or its holder".to_owned(),
+                };
                 let message = format!(
-                    "key {:?}: {} (token {}, called at {}) was reported lost ({}) at {}, \
-                     and no fault touched its key's store or its holder",
+                    "key {:?}: {} (token {}, called at {}) was reported lost ({}) at {}, {why}",
                     s.key,
                     s.id(),
                     token(s),
@@ -444,6 +465,74 @@ impl<'l> Analysis<'l> {
         }
     }
 
+    /// \[O6\] A release that fails on a backend error after a callback
+    /// settled with its validity intact proves nothing either way: the call
+    /// gives the callback's output. Only a release answer that finds the key
+    /// gone or another owner's makes it `Lost`, and not even that after a
+    /// failed try that may have freed the key. So a finished callback whose
+    /// lock was not lost when its release was first sent (the driver had
+    /// found no expiry or failed extension), whose release failed, and
+    /// which `with_lock` answered `Lost` is a violation: with a backend-error
+    /// cause always; as taken when the release found the key gone only
+    /// after a try that may have freed it. Other causes (shutdown's own
+    /// release) are left out.
+    fn lost_after_release(&mut self) {
+        for s in self.sections.clone() {
+            let (Some(held), Some(release)) = (&s.held, &s.release) else {
+                continue;
+            };
+            if held.t_end.is_none() || release.lost_before {
+                continue;
+            }
+            let failed =
+                |a: &ReleaseAnswer| matches!(a, ReleaseAnswer::Error | ReleaseAnswer::ErrorNotSent);
+            if !release.answers.iter().any(failed) {
+                continue;
+            }
+            self.report.summary.release_errors_after_settle += 1;
+            if s.outcome != Outcome::Lost {
+                continue;
+            }
+            let cause = s.cause.as_deref().unwrap_or_default();
+            // "Not held" after a try that may have freed the key.
+            let taken_after_maybe_freed = release
+                .answers
+                .iter()
+                .position(|a| *a == ReleaseAnswer::NotHeld)
+                .is_some_and(|at| release.answers[..at].contains(&ReleaseAnswer::Error));
+            let wrong = if cause.starts_with(BACKEND_LOSS) {
+                // Only the failed release can have given it: nothing else
+                // is sent once the callback settled with its lock.
+                true
+            } else if cause.starts_with(TAKEN_LOSS) {
+                // An extension in flight when the callback settled may find
+                // the key taken itself; the answers then hold no "not held"
+                // after a try that may have freed the key.
+                taken_after_maybe_freed
+            } else {
+                false
+            };
+            if !wrong {
+                continue;
+            }
+            let answers: Vec<String> = release.answers.iter().map(|a| format!("{a:?}")).collect();
+            let message = format!(
+                "key {:?}: the callback of {} (token {}) ended at {} with its lock not lost, \
+                 its release failed ({}: {}), and with_lock gave Lost ({}): a failed release \
+                 gives the callback's output",
+                s.key,
+                s.id(),
+                held.token,
+                self.at(end(s)),
+                answers.join(", "),
+                release.last_error.as_deref().unwrap_or("no error text"),
+                s.cause.as_deref().unwrap_or("no cause"),
+            );
+            self.report
+                .add(Check::LostAfterRelease, message, vec![line(s)]);
+        }
+    }
+
     /// Check 4, and the per-fault figures.
     fn liveness(&mut self) {
         for s in self.sections.clone() {
@@ -528,6 +617,7 @@ impl<'l> Analysis<'l> {
                 recovery_ms: recovery,
                 longest_unavailability_ms: gap / 1000,
                 unavailable_key: (!gap_key.is_empty()).then(|| gap_key.to_owned()),
+                held_through: self.held_through(f),
             };
             let s = &mut self.report.summary;
             s.longest_unavailability_ms = s
@@ -536,6 +626,22 @@ impl<'l> Analysis<'l> {
             *s.fault_counts.entry(f.kind).or_insert(0) += 1;
             s.faults.push(fault);
         }
+    }
+
+    /// Locks on keys `f` touched, taken before it began and given back
+    /// with `Ok` after it healed: for a fault that must cost no held lock,
+    /// what shows that some were put to the test.
+    fn held_through(&self, f: &Fault) -> usize {
+        self.sections
+            .iter()
+            .filter(|s| {
+                s.outcome == Outcome::Ok
+                    && s.held.is_some()
+                    && start(s) < f.t_start
+                    && s.t_return > f.t_end
+                    && self.touches(f, s, start(s), s.t_return)
+            })
+            .count()
     }
 
     /// Check 5.
@@ -681,6 +787,11 @@ fn without_numbers(text: &str) -> String {
     }
     out
 }
+
+/// How `LossCause::Backend` reads in a section's cause.
+const BACKEND_LOSS: &str = "backend errors:";
+/// How `LossCause::Taken` reads.
+const TAKEN_LOSS: &str = "another owner took the key";
 
 fn start(s: &Section) -> u64 {
     s.held.as_ref().map_or(s.t_call, |h| h.t_start)

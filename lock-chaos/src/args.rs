@@ -129,7 +129,7 @@ pub struct RunArgs {
     /// quiet time after the last fault. Default: 5 s.
     pub liveness_bound: Duration,
     /// The faults to inject, in schedule order. Default: all of the
-    /// backend's, but for the opt-in ones of [`FaultKind::allowed`].
+    /// backend's ([`FaultKind::for_backend`]).
     pub faults: Vec<FaultKind>,
     /// The fence store. Default: `DATABASE_URL` or the shared test server.
     pub fence_url: String,
@@ -373,7 +373,7 @@ mod tests {
     }
 
     #[test]
-    fn the_cluster_backends_have_their_defaults_and_opt_in_faults() {
+    fn the_cluster_backends_have_their_defaults_and_faults() {
         let Command::Run(run) = parse(&strings("run --backend redis-cluster")).unwrap() else {
             panic!("not run")
         };
@@ -381,13 +381,26 @@ mod tests {
             (run.backend, run.ttl, run.keys),
             (Backend::RedisCluster, Duration::from_secs(2), 6)
         );
-        assert_eq!(run.faults, [FaultKind::MasterStop, FaultKind::MasterKill]);
-        let Command::Run(run) =
-            parse(&strings("run --backend redis-cluster --faults worker_stop")).unwrap()
-        else {
+        assert_eq!(
+            run.faults,
+            [
+                FaultKind::MasterStopShort,
+                FaultKind::ClientKill,
+                FaultKind::WorkerStop,
+                FaultKind::MasterStop,
+                FaultKind::MasterKill,
+            ]
+        );
+        let Command::Run(run) = parse(&strings(
+            "run --backend redis-cluster --faults master_stop_short,client_kill",
+        ))
+        .unwrap() else {
             panic!("not run")
         };
-        assert_eq!(run.faults, [FaultKind::WorkerStop]);
+        assert_eq!(
+            run.faults,
+            [FaultKind::MasterStopShort, FaultKind::ClientKill]
+        );
         let Command::Run(run) = parse(&strings(
             "run --backend etcd --faults follower_stop,leader_kill",
         ))

@@ -171,6 +171,9 @@ fn expected(kind: FaultKind, args: &RunArgs) -> Duration {
         | FaultKind::FollowerStop => stop_for(args) + Duration::from_millis(500),
         // The node timeout (2 s), the election, the cluster whole again.
         FaultKind::MasterStop | FaultKind::MasterKill => Duration::from_secs(6),
+        FaultKind::MasterStopShort => {
+            crate::server::redis_cluster::short_stop(stop_for(args)) + Duration::from_millis(500)
+        }
         _ => Duration::from_millis(200),
     }
 }
@@ -223,6 +226,7 @@ async fn schedule(
             let index = next_worker % workers.procs.len();
             next_worker += 1;
             Injected {
+                kind: None,
                 target: format!("w{index}"),
                 detail: workers.stop_one(index, stop_for(args)).await?,
                 keys: None,
@@ -230,6 +234,7 @@ async fn schedule(
         } else {
             server.inject(kind, stop_for(args), keys).await?
         };
+        let kind = injected.kind.unwrap_or(kind);
         let fault = Fault {
             kind,
             target: injected.target,

@@ -123,6 +123,10 @@ pub struct Section {
     /// What the callback did, when it ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<Held>,
+    /// The release tries the backend saw for the callback's lock before
+    /// `with_lock` returned, when there were any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<ReleaseTrace>,
 }
 
 impl Section {
@@ -155,6 +159,37 @@ pub struct Held {
     pub told_at: Option<u64>,
     /// `ctx.is_lost()` once `with_lock` had returned and the callback ended.
     pub ctx_lost: bool,
+}
+
+/// The release tries of one lock, as the worker's backend wrapper
+/// ([`trace`](crate::trace)) saw them, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReleaseTrace {
+    /// When the first try was sent.
+    pub t_sent: u64,
+    /// `ctx.is_lost()` just before the first try was sent: a loss the
+    /// driver found before it released (an expired validity at settle, a
+    /// failed extension) rather than one the release gave.
+    pub lost_before: bool,
+    /// The answer to each try.
+    pub answers: Vec<ReleaseAnswer>,
+    /// The last try's error, as text, if a try failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// The backend's answer to one release try.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReleaseAnswer {
+    /// The key was this owner's and is freed.
+    Released,
+    /// The key was gone or another owner's.
+    NotHeld,
+    /// A backend error after which the try may have been applied.
+    Error,
+    /// A backend error before anything was sent (`BackendErrorKind::Unavailable`).
+    ErrorNotSent,
 }
 
 /// The answer of the fence store to one write.
@@ -221,6 +256,13 @@ pub enum FaultKind {
     /// Redis Cluster: SIGKILL of a master, and once its replica is promoted
     /// a restart (empty; it comes back as a replica).
     MasterKill,
+    /// Redis Cluster: SIGSTOP of a master for less than the
+    /// `cluster-node-timeout` and half the ttl, then SIGCONT: no failover,
+    /// and no held lock may be lost.
+    MasterStopShort,
+    /// Redis Cluster: `CLIENT KILL TYPE normal` and `pubsub` on every node:
+    /// no held lock may be lost.
+    ClientKill,
 }
 
 impl FaultKind {
@@ -234,7 +276,15 @@ impl FaultKind {
                 Self::FollowerKill,
                 Self::WorkerStop,
             ],
-            "redis-cluster" => &[Self::MasterStop, Self::MasterKill],
+            // The failovers last: their time is the hardest to foresee, and
+            // a short run still has room for them after the others.
+            "redis-cluster" => &[
+                Self::MasterStopShort,
+                Self::ClientKill,
+                Self::WorkerStop,
+                Self::MasterStop,
+                Self::MasterKill,
+            ],
             "redis" => &[
                 Self::WorkerStop,
                 Self::ClientKillNormal,
@@ -254,15 +304,16 @@ impl FaultKind {
         }
     }
 
-    /// The faults `--faults` may name for `backend`: the default ones, and
-    /// on Redis Cluster `worker_stop` (whose losses on every master would
-    /// blur the per-master figures).
+    /// The faults `--faults` may name for `backend`: the default ones.
     pub fn allowed(backend: &str) -> Vec<FaultKind> {
-        let mut kinds = Self::for_backend(backend).to_vec();
-        if backend == "redis-cluster" {
-            kinds.push(Self::WorkerStop);
-        }
-        kinds
+        Self::for_backend(backend).to_vec()
+    }
+
+    /// Whether the fault must cost no held lock: a loss that only such a
+    /// fault touched is a violation where losses are checked per key
+    /// ([`RunInfo::check_unfaulted_losses`]).
+    pub fn keeps_locks(self) -> bool {
+        matches!(self, Self::MasterStopShort | Self::ClientKill)
     }
 
     /// The snake-case name, as in the log.
@@ -283,6 +334,8 @@ impl FaultKind {
             Self::FollowerStop => "follower_stop",
             Self::MasterStop => "master_stop",
             Self::MasterKill => "master_kill",
+            Self::MasterStopShort => "master_stop_short",
+            Self::ClientKill => "client_kill",
         }
     }
 }
@@ -466,6 +519,12 @@ mod tests {
                 }],
                 told_at: Some(18),
                 ctx_lost: true,
+            }),
+            release: Some(ReleaseTrace {
+                t_sent: 19,
+                lost_before: false,
+                answers: vec![ReleaseAnswer::Error, ReleaseAnswer::NotHeld],
+                last_error: Some("timed out".into()),
             }),
         });
         writer.write(&section).unwrap();

@@ -68,6 +68,9 @@ pub enum ServerError {
 /// store it touched.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Injected {
+    /// The kind to log, when it is not the one injected (a short stop of a
+    /// Redis Cluster master that was failed over all the same).
+    pub kind: Option<FaultKind>,
     /// `server`, `m<i>` (an etcd member), `127.0.0.1:<port>` (a Redis
     /// Cluster node).
     pub target: String,
@@ -80,6 +83,7 @@ pub struct Injected {
 impl Injected {
     fn server(detail: String) -> Self {
         Self {
+            kind: None,
             target: "server".to_owned(),
             detail,
             keys: None,
@@ -174,7 +178,8 @@ impl LockServer {
     }
 
     /// Injects a server fault and heals it: a stop lasts `stop_for` (on
-    /// Redis Cluster: until a replica is promoted). Returns what it did;
+    /// Redis Cluster: until a replica is promoted, or for a short stop a
+    /// fifth of it, at most 1 s). Returns what it did;
     /// `keys` are the run's, of which a Redis Cluster fault touches those
     /// its master served.
     ///
@@ -190,7 +195,7 @@ impl LockServer {
     ) -> Result<Injected, ServerError> {
         match self {
             Self::Etcd(etcd) => etcd.inject(kind, stop_for).await,
-            Self::RedisCluster(cluster) => cluster.inject(kind, keys).await,
+            Self::RedisCluster(cluster) => cluster.inject(kind, stop_for, keys).await,
             _ => self
                 .inject_single(kind, stop_for)
                 .await

@@ -20,6 +20,7 @@ use crate::event::{
 };
 use crate::fence::{FenceError, FenceStore};
 use crate::server::{etcd, held_keys, redis_cluster};
+use crate::trace::{Traced, Traces};
 
 /// Attempts after the first while a key is busy; with
 /// [`RETRY_DELAY`], a call gives up after about two seconds.
@@ -67,6 +68,7 @@ struct Shared {
     log: LogWriter,
     config: LockConfig,
     stopping: AtomicBool,
+    traces: Arc<Traces>,
 }
 
 /// Runs a worker until it is told to stop, then shuts its locker down and
@@ -79,8 +81,13 @@ struct Shared {
 pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     let log = LogWriter::create(&args.log)?;
     let options = LockerOptions::default().node_id(format!("chaos-w{}", args.worker));
+    // Every backend's release tries are recorded for the O6 check.
+    let traces = Arc::new(Traces::default());
     let locker = match args.backend {
-        Backend::Redis => Locker::with_options(RedisBackend::from_url(&args.lock_url)?, options)?,
+        Backend::Redis => {
+            let backend = RedisBackend::from_url(&args.lock_url)?;
+            Locker::with_options(Traced::new(backend, Arc::clone(&traces)), options)?
+        }
         Backend::Postgres => {
             let backend = tokio::time::timeout(
                 Duration::from_secs(10),
@@ -88,17 +95,18 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
             )
             .await
             .map_err(|_| WorkerError::Timeout)??;
-            Locker::with_options(backend, options)?
+            Locker::with_options(Traced::new(backend, Arc::clone(&traces)), options)?
         }
         Backend::Etcd => {
             let backend =
                 tokio::time::timeout(Duration::from_secs(10), etcd::connect(&args.lock_url))
                     .await
                     .map_err(|_| WorkerError::Timeout)??;
-            Locker::with_options(backend, options)?
+            Locker::with_options(Traced::new(backend, Arc::clone(&traces)), options)?
         }
         Backend::RedisCluster => {
-            Locker::with_options(redis_cluster::backend(&args.lock_url)?, options)?
+            let backend = redis_cluster::backend(&args.lock_url)?;
+            Locker::with_options(Traced::new(backend, Arc::clone(&traces)), options)?
         }
     };
     let fence = FenceStore::connect(&args.fence_url, &args.fence_table, args.tasks + 2)?;
@@ -114,6 +122,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         log,
         config,
         stopping: AtomicBool::new(false),
+        traces,
     });
     shared.log.write(&Event::WorkerStart {
         worker: shared.args.worker,
@@ -290,12 +299,14 @@ async fn one_call(
     let writer = format!("w{}/t{task}/s{seq}", shared.args.worker);
     let hold = hold_time(&shared.args);
     let fence = shared.fence.clone();
+    let traces = Arc::clone(&shared.traces);
     let flag = Arc::clone(in_callback);
     let k = key.clone();
     let callback = move |ctx: LockContext| async move {
         let t_start = now_us();
         flag.store(true, Ordering::SeqCst);
         let token = ctx.fencing_token();
+        traces.watch(&ctx);
         let watched = ctx.clone();
         let told = tokio::spawn(async move {
             watched.lost().await;
@@ -333,9 +344,12 @@ async fn one_call(
         Ok(Err(error)) => classify(&error),
     };
     // Sent before the callback's first await, so there whenever it ran.
+    let mut release = None;
     let held = match started_rx.await {
         Err(_) => None,
         Ok(started) => {
+            // What the release did before with_lock returned.
+            release = shared.traces.take(&key, started.token);
             // A callback going on after a loss ends within its hold and two
             // bounded writes.
             let ended = match tokio::time::timeout(FINISH_WAIT, ended_rx).await {
@@ -372,6 +386,7 @@ async fn one_call(
         outcome,
         cause,
         held,
+        release,
     }
 }
 

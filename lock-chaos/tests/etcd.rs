@@ -9,5 +9,10 @@ mod common;
 
 #[test]
 fn etcd_survives_every_fault() {
-    common::run_and_check("etcd", common::seconds_from("CHAOS_ETCD_SECONDS", 40), 4);
+    common::run_and_check(
+        "etcd",
+        common::seconds_from("CHAOS_ETCD_SECONDS", 40),
+        4,
+        &[],
+    );
 }

@@ -7,5 +7,10 @@ mod common;
 
 #[test]
 fn postgres_survives_every_fault() {
-    common::run_and_check("postgres", common::seconds_from("CHAOS_SECONDS", 40), 4);
+    common::run_and_check(
+        "postgres",
+        common::seconds_from("CHAOS_SECONDS", 40),
+        4,
+        &[],
+    );
 }

@@ -6,5 +6,5 @@ mod common;
 
 #[test]
 fn redis_survives_every_fault() {
-    common::run_and_check("redis", common::seconds_from("CHAOS_SECONDS", 40), 4);
+    common::run_and_check("redis", common::seconds_from("CHAOS_SECONDS", 40), 4, &[]);
 }

@@ -36,11 +36,15 @@ pub enum Check {
     /// its holder \[L4\]: checked where faults touch some keys only
     /// ([`RunInfo::check_unfaulted_losses`]).
     UnfaultedLoss,
+    /// A finished callback, its lock not lost when its release was sent,
+    /// answered `Lost` because the release failed on a backend error
+    /// \[O6\].
+    LostAfterRelease,
 }
 
 impl Check {
     /// Every check, in report order.
-    pub const ALL: [Check; 8] = [
+    pub const ALL: [Check; 9] = [
         Self::Exclusion,
         Self::TokenOrder,
         Self::RefusedWrite,
@@ -49,6 +53,7 @@ impl Check {
         Self::Context,
         Self::Shutdown,
         Self::UnfaultedLoss,
+        Self::LostAfterRelease,
     ];
 
     /// The snake-case name.
@@ -62,6 +67,7 @@ impl Check {
             Self::Context => "context",
             Self::Shutdown => "shutdown",
             Self::UnfaultedLoss => "unfaulted_loss",
+            Self::LostAfterRelease => "lost_after_release",
         }
     }
 }
@@ -98,6 +104,12 @@ pub struct FaultSummary {
     pub longest_unavailability_ms: u64,
     /// The key of that longest gap.
     pub unavailable_key: Option<String>,
+    /// Locks on the keys it touched (for a worker stop, that worker's)
+    /// taken before it began whose `with_lock` returned `Ok` after it
+    /// healed: for a fault that must cost no held lock, how many were put
+    /// to the test.
+    #[serde(default)]
+    pub held_through: usize,
 }
 
 /// The figures of a run.
@@ -120,6 +132,11 @@ pub struct Summary {
     /// graceful shutdown cut it off; `none` when no fault did.
     #[serde(default)]
     pub losses_by_fault: BTreeMap<String, usize>,
+    /// Calls whose callback ended with its lock not lost and whose release
+    /// failed on a backend error at least once before `with_lock` returned
+    /// (each must give the callback's output or find the key taken \[O6\]).
+    #[serde(default)]
+    pub release_errors_after_settle: usize,
     /// Pairs of sections on one key that overlapped in time.
     pub overlaps: usize,
     /// Of those, the ones whose older holder was told of its loss.
@@ -254,6 +271,11 @@ impl fmt::Display for Report {
         }
         writeln!(
             f,
+            "releases that failed after a callback settled with its lock: {}",
+            s.release_errors_after_settle
+        )?;
+        writeln!(
+            f,
             "overlaps: {} ({} after a loss report of the older holder, {} after the store lost its data under it)",
             s.overlaps, s.overlaps_after_loss_report, s.overlaps_after_data_loss
         )?;
@@ -304,12 +326,13 @@ impl fmt::Display for Report {
             for fault in &s.faults {
                 writeln!(
                     f,
-                    "  {:>+9.3}s {:<20} {:<7} {:>5} ms; recovered in {}; longest unavailability {} ms{}",
+                    "  {:>+9.3}s {:<20} {:<7} {:>5} ms; recovered in {}; {} locks held through; longest unavailability {} ms{}",
                     fault.at_ms as f64 / 1e3,
                     fault.kind.name(),
                     fault.target,
                     fault.duration_ms,
                     fault.recovery_ms.map_or_else(|| "-".to_owned(), |r| format!("{r} ms")),
+                    fault.held_through,
                     fault.longest_unavailability_ms,
                     fault
                         .unavailable_key

@@ -2,7 +2,9 @@
 //! in a clean log and checks that exactly that check reports it.
 
 use super::*;
-use crate::event::{FaultKind, FencedWrite, Held, LeakCheck, ShutdownRecord};
+use crate::event::{
+    FaultKind, FencedWrite, Held, LeakCheck, ReleaseAnswer, ReleaseTrace, ShutdownRecord,
+};
 
 const MS: u64 = 1000;
 const KEY: &str = "k";
@@ -40,6 +42,7 @@ fn section(
             told_at: lost.then_some(end_ms * MS),
             ctx_lost: lost,
         }),
+        release: None,
     }
 }
 
@@ -640,4 +643,161 @@ fn a_loss_by_the_workers_own_shutdown_is_no_unfaulted_loss() {
     let report = analyse_events(events);
     assert!(report.is_clean(), "{report}");
     assert_eq!(report.summary.losses_by_fault.get("shutdown"), Some(&1));
+}
+
+#[test]
+fn l4_a_loss_only_a_short_master_stop_or_cut_connections_touched_is_reported_on_a_cluster() {
+    // 420 (4200..4280) while its master was stopped short of a failover;
+    // 1100 (11000..11080, w0, stopped from 10 s to 12.5 s) while every
+    // connection was cut: the worker stop excuses it; 2000 (20000..20080)
+    // after the connections were cut at 19.9 s is reported.
+    let mut events = with_failover(
+        clean_log(),
+        FaultKind::MasterStopShort,
+        &[KEY],
+        4_000,
+        5_000,
+    );
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ClientKill,
+        target: "every node".into(),
+        t_start: 11_000 * MS,
+        t_end: 11_010 * MS,
+        detail: String::new(),
+        keys: None,
+    }));
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ClientKill,
+        target: "every node".into(),
+        t_start: 19_900 * MS,
+        t_end: 19_910 * MS,
+        detail: String::new(),
+        keys: None,
+    }));
+    // Held by 3000 (30000..30080, Ok) from before to after: kept.
+    events.push(Event::Fault(Fault {
+        kind: FaultKind::ClientKill,
+        target: "every node".into(),
+        t_start: 30_010 * MS,
+        t_end: 30_020 * MS,
+        detail: String::new(),
+        keys: None,
+    }));
+    *section_mut(&mut events, 42) = section(0, 42, 420, 4200, 4280, Outcome::Lost);
+    *section_mut(&mut events, 110) = section(0, 110, 1100, 11000, 11080, Outcome::Lost);
+    *section_mut(&mut events, 200) = section(0, 200, 2000, 20000, 20080, Outcome::Lost);
+    let report = analyse_events(on_a_cluster(events));
+    assert_only(&report, Check::UnfaultedLoss, 2);
+    let kept: Vec<usize> = report
+        .summary
+        .faults
+        .iter()
+        .filter(|f| f.kind == FaultKind::ClientKill)
+        .map(|f| f.held_through)
+        .collect();
+    assert_eq!(kept, [0, 0, 1]);
+    let by = &report.summary.losses_by_fault;
+    assert_eq!(
+        (
+            by.get("master_stop_short"),
+            by.get("client_kill"),
+            by.get("worker_stop")
+        ),
+        (Some(&1), Some(&1), Some(&1))
+    );
+    assert!(
+        report.violations[0].message.contains("master_stop_short"),
+        "{report}"
+    );
+}
+
+const TAKEN: &str = "another owner took the key, or it was deleted or freed while held";
+
+/// Section `seq` of the clean log, turned into a finished callback whose
+/// release tries gave `answers`, its lock not lost when the first was
+/// sent, and that `with_lock` answered with `outcome`.
+fn with_failed_release(
+    events: &mut [Event],
+    seq: u64,
+    answers: &[ReleaseAnswer],
+    outcome: Outcome,
+) {
+    let s = section_mut(events, seq);
+    let lost = outcome == Outcome::Lost;
+    s.outcome = outcome;
+    s.cause = lost.then(|| "backend errors: nothing confirms the lock was held throughout".into());
+    let held = s.held.as_mut().unwrap();
+    let end = held.t_end.unwrap();
+    held.ctx_lost = lost;
+    held.told_at = lost.then_some(end + 300);
+    s.release = Some(ReleaseTrace {
+        t_sent: end + 100,
+        lost_before: false,
+        answers: answers.to_vec(),
+        last_error: Some("lock backend step timed out".into()),
+    });
+}
+
+#[test]
+fn o6_a_finished_callback_answered_lost_because_its_release_failed_is_reported() {
+    let mut events = clean_log();
+    with_failed_release(&mut events, 42, &[ReleaseAnswer::Error], Outcome::Lost);
+    // A retry finding the key gone after a try that may have freed it
+    // proves nothing either.
+    with_failed_release(
+        &mut events,
+        43,
+        &[ReleaseAnswer::Error, ReleaseAnswer::NotHeld],
+        Outcome::Lost,
+    );
+    section_mut(&mut events, 43).cause = Some(TAKEN.into());
+    let report = analyse_events(events);
+    assert_only(&report, Check::LostAfterRelease, 2);
+    assert_eq!(report.summary.release_errors_after_settle, 2);
+    assert!(
+        report.violations[0].message.contains("w0/t0/s42"),
+        "{report}"
+    );
+}
+
+#[test]
+fn o6_a_failed_release_that_gave_the_output_or_found_the_key_taken_is_allowed() {
+    let mut events = clean_log();
+    // The amended O6: the output stands.
+    with_failed_release(&mut events, 42, &[ReleaseAnswer::Error], Outcome::Ok);
+    // A try that never reached the store, then "not held": taken.
+    with_failed_release(
+        &mut events,
+        43,
+        &[ReleaseAnswer::ErrorNotSent, ReleaseAnswer::NotHeld],
+        Outcome::Lost,
+    );
+    // Lost before the release was sent (expired at settle, or extensions
+    // failed), whatever the release then did.
+    with_failed_release(&mut events, 44, &[ReleaseAnswer::Error], Outcome::Lost);
+    section_mut(&mut events, 44)
+        .release
+        .as_mut()
+        .unwrap()
+        .lost_before = true;
+    section_mut(&mut events, 43).cause = Some(TAKEN.into());
+    // Released by the worker's own shutdown.
+    with_failed_release(&mut events, 45, &[ReleaseAnswer::Error], Outcome::Lost);
+    section_mut(&mut events, 45).cause = Some("the locker shut down and released the lock".into());
+    // Found taken by an extension in flight when the callback settled.
+    with_failed_release(&mut events, 46, &[ReleaseAnswer::Error], Outcome::Lost);
+    section_mut(&mut events, 46).cause = Some(TAKEN.into());
+    let report = analyse_events(events);
+    assert!(report.is_clean(), "{report}");
+    // All but 44: the lock was not lost when their release failed.
+    assert_eq!(report.summary.release_errors_after_settle, 4);
+}
+
+#[test]
+fn the_loss_causes_read_as_the_driver_writes_them() {
+    use lock_core::{BackendError, LossCause};
+    let backend = LossCause::Backend(BackendError::setup(std::io::Error::other("down")));
+    assert!(backend.to_string().starts_with(BACKEND_LOSS), "{backend}");
+    assert!(LossCause::Taken.to_string().starts_with(TAKEN_LOSS));
+    assert_eq!(LossCause::Taken.to_string(), TAKEN);
 }

@@ -108,6 +108,7 @@ impl EtcdServer {
         let back = Instant::now();
         let new_leader = self.cluster.wait_for_leader(LEADER_WAIT).await?;
         Ok(Injected {
+            kind: None,
             target: format!("m{member}"),
             detail: format!(
                 "{role} m{member} {what} after {} ms; leader m{new_leader} {} ms later",

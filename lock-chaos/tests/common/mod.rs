@@ -36,10 +36,11 @@ impl Drop for Coordinator {
     }
 }
 
-/// Runs `chaos run --backend <backend>` for `seconds` with every fault of
-/// the backend and asserts that the analysis is clean, that each fault
-/// happened and that the leak check looked at the run's `keys` keys.
-pub(crate) fn run_and_check(backend: &str, seconds: u64, keys: usize) {
+/// Runs `chaos run --backend <backend>` for `seconds`, with the `extra`
+/// flags, with every fault of the backend and asserts that the analysis is
+/// clean, that each fault happened and that the leak check looked at the
+/// run's `keys` keys.
+pub(crate) fn run_and_check(backend: &str, seconds: u64, keys: usize, extra: &[&str]) {
     let dir = std::env::temp_dir().join(format!(
         "withlock-chaos-test-{backend}-{:08x}",
         rand::random::<u32>()
@@ -52,6 +53,7 @@ pub(crate) fn run_and_check(backend: &str, seconds: u64, keys: usize) {
             "--seconds",
             &seconds.to_string(),
         ])
+        .args(extra)
         .arg("--out")
         .arg(&dir)
         .stdin(Stdio::null())
