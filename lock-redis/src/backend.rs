@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_redis::{Pool, PoolError, Runtime};
@@ -15,34 +15,18 @@ use lock_core::{
     ReleaseWatch, MAX_KEY_LEN,
 };
 use redis::aio::MultiplexedConnection;
-use redis::{FromRedisValue, Script};
+use redis::FromRedisValue;
 
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
+use crate::plumbing::connection::step_broke;
+use crate::plumbing::redact;
+use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, RELEASE, RELEASE_BATCH};
+use crate::plumbing::timeout::within;
 use crate::sentinel::{connected_replicas, SentinelSource};
 use crate::slot::fence_key;
 use crate::subscription::{PubSubTarget, Subscription};
 use crate::tls::Trust;
-
-/// The acquisition script.
-pub(crate) const ACQUIRE_LUA: &str = include_str!("../lua/acquire.lua");
-pub(crate) static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
-/// Several acquisitions in one script run (see [`crate::batch`]): the
-/// step as a function (`lua/fencing.lua`), and the loop.
-static ACQUIRE_BATCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("../lua/fencing.lua"),
-        "\n",
-        include_str!("../lua/acquire_batch.lua")
-    ))
-});
-pub(crate) static EXTEND: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/extend.lua")));
-pub(crate) static RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/release.lua")));
-/// Several releases in one script run (see [`crate::batch`]).
-static RELEASE_BATCH: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/release_batch.lua")));
 
 /// The name of the release channel, after the prefix.
 pub const CHANNEL: &str = "withlock:released";
@@ -410,20 +394,15 @@ impl RedisBackend {
         self.bounded_for(step, self.inner.config.step_timeout, work)
     }
 
-    /// Runs `work` within `limit`.
-    ///
-    /// A combinator, not an `async fn`: the future of an `async fn` keeps
-    /// its arguments beside the futures it moves them into, so `work`
-    /// would be stored twice (and every step's future copied whole at each
-    /// await holds more than a kilobyte).
+    /// Runs `work` within `limit`, and forgets the shared connections
+    /// after an error that may mean they are broken.
     fn bounded_for<'a, T: 'a>(
         &'a self,
         step: &'static str,
         limit: Duration,
         work: impl Future<Output = Result<T, BackendError>> + 'a,
     ) -> impl Future<Output = Result<T, BackendError>> + 'a {
-        tokio::time::timeout(limit, work).map(move |answer| {
-            let answer = answer.unwrap_or_else(|_| Err(BackendError::timeout(step, limit)));
+        within(step, limit, work).map(move |answer| {
             if let Err(error) = &answer {
                 self.forget_connection_after(error);
             }
@@ -469,19 +448,7 @@ impl RedisBackend {
     /// Sentinel mode, asks the Sentinels again). `READONLY` counts: the
     /// server was demoted to a replica, and still answers `PING`.
     fn forget_connection_after(&self, error: &BackendError) {
-        let broken = error.is_timeout()
-            || error
-                .inner()
-                .downcast_ref::<redis::RedisError>()
-                .is_none_or(|e| {
-                    e.is_io_error()
-                        || e.is_connection_dropped()
-                        || e.is_connection_refusal()
-                        || e.is_unrecoverable_error()
-                        || e.is_timeout()
-                        || e.kind() == redis::ErrorKind::ReadOnly
-                });
-        if broken {
+        if step_broke(error) {
             *lock_slot(&self.inner.shared) = None;
             *lock_slot(&self.inner.durable) = None;
         }
@@ -499,15 +466,15 @@ impl RedisBackend {
         let limit = self.inner.config.step_timeout + durability.timeout;
         self.bounded_for("acquisition", limit, async {
             let mut conn = self.connection_in(&self.inner.durable).await?;
-            let answer: i64 = ACQUIRE
-                .key(keys[0])
-                .key(keys[1])
-                .arg(owner.as_str())
-                .arg(ttl_ms(ttl))
-                .arg(self.inner.config.fence_ttl_ms(ttl))
-                .invoke_async(&mut conn)
-                .await
-                .map_err(map_redis_error)?;
+            let acquire = ACQUIRE.call(
+                &keys,
+                &[
+                    owner.as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                ],
+            );
+            let answer: i64 = ACQUIRE.run(&mut conn, &acquire).await?;
             if answer <= 0 {
                 return Ok(answer);
             }
@@ -520,15 +487,15 @@ impl RedisBackend {
             if acked >= durability.replicas {
                 return Ok(answer);
             }
-            let released: i64 = RELEASE
-                .key(keys[0])
-                .key(keys[1])
-                .arg(owner.as_str())
-                .arg(&self.inner.channel)
-                .arg(self.inner.config.fence_idle_ms())
-                .invoke_async(&mut conn)
-                .await
-                .map_err(map_redis_error)?;
+            let release = RELEASE.call(
+                &keys,
+                &[
+                    owner.as_str(),
+                    &self.inner.channel,
+                    &self.inner.config.fence_idle_ms(),
+                ],
+            );
+            let released: i64 = RELEASE.run(&mut conn, &release).await?;
             Err(BackendError::message(
                 BackendErrorKind::Request,
                 format!(
@@ -542,35 +509,19 @@ impl RedisBackend {
         .await
     }
 
+    /// One call of `script` on the shared connection, within the step
+    /// timeout (see [`Lua::run`] for `NOSCRIPT`).
     pub(crate) async fn run_script<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
-        script: &Script,
+        script: &Lua,
         keys: &[&str],
         args: &[&str],
     ) -> Result<T, BackendError> {
-        // One `EVALSHA` command, built once in one buffer (a script
-        // invocation copies every key and argument into a buffer of its own
-        // first), and sent again after `NOSCRIPT` (a restarted or flushed
-        // server) once the script is loaded.
-        let mut call = redis::Cmd::with_capacity(4 + keys.len() + 2, 320);
-        call.arg("EVALSHA")
-            .arg(script.get_hash())
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args);
+        let call = script.call(keys, args);
         self.bounded(step, async {
             let mut conn = self.connection().await?;
-            match call.query_async(&mut conn).await {
-                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                    script
-                        .load_async(&mut conn)
-                        .await
-                        .map_err(map_redis_error)?;
-                    call.query_async(&mut conn).await.map_err(map_redis_error)
-                }
-                answer => answer.map_err(map_redis_error),
-            }
+            script.run(&mut conn, &call).await
         })
         .await
     }
@@ -686,8 +637,8 @@ impl BatchOnTheWire {
                 args.extend(queued.args.iter().map(String::as_str));
             }
             let script = match self.step {
-                Step::Acquisition => &*ACQUIRE_BATCH,
-                Step::Release => &*RELEASE_BATCH,
+                Step::Acquisition => &ACQUIRE_BATCH,
+                Step::Release => &RELEASE_BATCH,
             };
             backend
                 .run_script::<Vec<redis::Value>>(self.step.name(), script, &keys, &args)
@@ -769,29 +720,21 @@ impl RedisBackend {
         let mut pipe = redis::pipe();
         for request in requests {
             let lock_key = self.lock_key(request.lease.key());
-            pipe.cmd("EVALSHA")
-                .arg(EXTEND.get_hash())
-                .arg(2)
-                .arg(lock_key.as_ref())
-                .arg(fence_key(&lock_key))
-                .arg(request.lease.owner().as_str())
-                .arg(ttl_ms(request.ttl))
-                .arg(self.inner.config.fence_ttl_ms(request.ttl))
-                .arg(request.lease.fencing_token());
+            EXTEND.add_call(
+                &mut pipe,
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    request.lease.owner().as_str(),
+                    &ttl_ms(request.ttl),
+                    &self.inner.config.fence_ttl_ms(request.ttl),
+                    &request.lease.fencing_token().to_string(),
+                ],
+            );
         }
         let answers: Vec<i64> = self
             .bounded("extension", async {
                 let mut conn = self.connection().await?;
-                match pipe.query_async(&mut conn).await {
-                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                        EXTEND
-                            .load_async(&mut conn)
-                            .await
-                            .map_err(map_redis_error)?;
-                        pipe.query_async(&mut conn).await.map_err(map_redis_error)
-                    }
-                    answer => answer.map_err(map_redis_error),
-                }
+                EXTEND.run(&mut conn, &pipe).await
             })
             .await?;
         if answers.len() != requests.len() {
@@ -923,14 +866,7 @@ impl fmt::Debug for RedisBackend {
         let status = self.inner.pool.status();
         f.debug_struct("RedisBackend")
             .field("server", &self.inner.server)
-            .field(
-                "password",
-                &if self.inner.has_password {
-                    "<redacted>"
-                } else {
-                    "<none>"
-                },
-            )
+            .field("password", &redact::secret(self.inner.has_password))
             .field("channel", &self.inner.channel)
             .field("config", &self.inner.config)
             .field("pool_size", &status.size)

@@ -11,6 +11,7 @@ mod cluster_nodes;
 mod cluster_subscription;
 mod config;
 mod durability;
+mod plumbing;
 mod sentinel;
 pub mod slot;
 mod subscription;

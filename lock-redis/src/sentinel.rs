@@ -13,6 +13,7 @@ use crate::backend::{map_redis_error, RedisBackend};
 use crate::config::{
     connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
 };
+use crate::plumbing::redact;
 use crate::tls::Trust;
 
 /// How to reach a Redis deployment behind Sentinel: the Sentinels and
@@ -206,15 +207,6 @@ impl SentinelConfig {
     }
 }
 
-/// `<redacted>` for a secret that is set, `<none>` otherwise.
-fn redacted(secret: Option<&String>) -> &'static str {
-    if secret.is_some() {
-        "<redacted>"
-    } else {
-        "<none>"
-    }
-}
-
 impl fmt::Debug for SentinelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Addresses only (`host:port`): a URL could carry the password.
@@ -225,12 +217,12 @@ impl fmt::Debug for SentinelConfig {
             .field("sentinel_username", &self.sentinel_username)
             .field(
                 "sentinel_password",
-                &redacted(self.sentinel_password.as_ref()),
+                &redact::secret(self.sentinel_password.is_some()),
             )
             .field("data_node_username", &self.data_node_username)
             .field(
                 "data_node_password",
-                &redacted(self.data_node_password.as_ref()),
+                &redact::secret(self.data_node_password.is_some()),
             )
             .field("data_node_db", &self.data_node_db)
             .field("data_node_tls", &self.data_node_tls)
