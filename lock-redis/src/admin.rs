@@ -11,6 +11,7 @@ use lock_core::{
 use crate::backend::{map_redis_error, RedisBackend};
 use crate::plumbing::scripts::{Query, ADMIN_FORCE_RELEASE, ADMIN_READ};
 use crate::plumbing::timeout::within;
+use crate::single_node::{SingleNode, Source};
 use crate::slot::{fence_key, FENCE_INFIX};
 
 /// How many keys one `SCAN` step asks for, and how many locks one pipeline
@@ -49,6 +50,23 @@ pub(crate) type Forced = (String, Option<String>, i64, Option<String>);
 #[async_trait]
 impl LockAdmin for RedisBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+        self.steps().list_locks(prefix).await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+        self.steps().inspect(key).await
+    }
+
+    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+        self.steps().force_release(key).await
+    }
+}
+
+/// The admin functions of every single-node backend (its own, and
+/// [`RedisSentinelBackend`](crate::RedisSentinelBackend)'s on the primary
+/// the Sentinels name).
+impl<S: Source> SingleNode<S> {
+    pub(crate) async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
         let redis_prefix = self.lock_key(prefix).into_owned();
         let pattern = companion_pattern(&redis_prefix);
         let mut keys = Vec::new();
@@ -93,7 +111,7 @@ impl LockAdmin for RedisBackend {
         Ok(held)
     }
 
-    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+    pub(crate) async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
@@ -102,7 +120,7 @@ impl LockAdmin for RedisBackend {
         info(&self.config().prefix, &lock_key, answer)
     }
 
-    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+    pub(crate) async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
@@ -117,7 +135,7 @@ impl LockAdmin for RedisBackend {
     }
 }
 
-impl RedisBackend {
+impl<S: Source> SingleNode<S> {
     /// Runs one command or pipeline on the backend's connection, bounded
     /// by the command timeout.
     async fn admin_query<T: redis::FromRedisValue>(

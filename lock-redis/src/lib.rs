@@ -13,6 +13,7 @@ mod config;
 mod durability;
 mod plumbing;
 mod sentinel;
+mod single_node;
 pub mod slot;
 mod subscription;
 #[cfg(feature = "testing")]
