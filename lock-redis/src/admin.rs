@@ -8,7 +8,8 @@ use lock_core::{
     async_trait, AdminError, BackendError, BackendErrorKind, LockAdmin, LockInfo, OwnerToken,
 };
 
-use crate::backend::{map_redis_error, RedisBackend};
+use crate::backend::RedisBackend;
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::scripts::{Query, ADMIN_FORCE_RELEASE, ADMIN_READ};
 use crate::plumbing::timeout::within;
 use crate::single_node::{SingleNode, Source};

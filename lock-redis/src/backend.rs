@@ -1,13 +1,10 @@
-//! `RedisBackend`: the steps of [`crate::single_node`] on the user's pool,
-//! and the answers of the scripts and errors that every Redis backend reads
-//! the same way.
+//! `RedisBackend`: the steps of [`crate::single_node`] on the user's pool.
 
 use std::borrow::Cow;
 use std::fmt;
-use std::time::Duration;
 
 use deadpool_redis::{Pool, PoolError, Runtime};
-use lock_core::{AcquireOutcome, BackendError, BackendErrorKind, ExtendOutcome, ReleaseOutcome};
+use lock_core::BackendError;
 use redis::aio::MultiplexedConnection;
 
 use crate::config::{RedisConfig, SetupError};
@@ -43,7 +40,7 @@ pub(crate) struct Pooled {
 
 impl Source for Pooled {
     /// A connection taken from the pool, for good. A failed checkout is
-    /// [`Unavailable`](BackendErrorKind::Unavailable): the step's request
+    /// [`Unavailable`](lock_core::BackendErrorKind::Unavailable): the step's request
     /// was not sent.
     async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
         let pooled = self.pool.get().await.map_err(checkout_error)?;
@@ -279,75 +276,6 @@ fn checkout_error(error: PoolError) -> BackendError {
         PoolError::Backend(e) => crate::config::connection_error(e),
         other => BackendError::unavailable(other),
     }
-}
-
-/// Maps a Redis error to a backend error, keeping it as the source.
-pub(crate) fn map_redis_error(error: redis::RedisError) -> BackendError {
-    let kind = if error.is_timeout() {
-        BackendErrorKind::Timeout
-    } else if is_setup_error(&error) {
-        BackendErrorKind::Setup
-    } else {
-        BackendErrorKind::Request
-    };
-    BackendError::new(kind, error)
-}
-
-/// An error that trying again cannot mend \[A8\]: authentication refused,
-/// an ACL that denies a command, key or channel, a lock key or companion
-/// of the wrong type, a fencing companion that holds no counter. Scripts
-/// pass on the code of the command that failed in them.
-fn is_setup_error(error: &redis::RedisError) -> bool {
-    error.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(
-            error.code(),
-            Some("NOPERM" | "WRONGPASS" | "NOAUTH" | "WRONGTYPE")
-        )
-        || {
-            let text = error.to_string();
-            // A command a script runs that the ACL denies.
-            text.contains("the fencing companion")
-                || text.contains("can't run this command")
-                || text.contains("No permissions to access")
-        }
-}
-
-pub(crate) fn ttl_ms(ttl: Duration) -> String {
-    ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
-}
-
-/// The acquire script's answer: 0 busy, else the fencing token.
-pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendError> {
-    match u64::try_from(answer) {
-        Ok(0) => Ok(AcquireOutcome::Busy),
-        Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
-        Err(_) => Err(unexpected("acquire", answer)),
-    }
-}
-
-/// The release script's answer: 1 released, 0 not held.
-pub(crate) fn release_outcome(answer: i64) -> Result<ReleaseOutcome, BackendError> {
-    match answer {
-        1 => Ok(ReleaseOutcome::Released),
-        0 => Ok(ReleaseOutcome::NotHeld),
-        other => Err(unexpected("release", other)),
-    }
-}
-
-pub(crate) fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
-    match answer {
-        1 => Ok(ExtendOutcome::Extended),
-        0 => Ok(ExtendOutcome::Expired),
-        -1 => Ok(ExtendOutcome::Taken),
-        other => Err(unexpected("extend", other)),
-    }
-}
-
-pub(crate) fn unexpected(step: &str, answer: i64) -> BackendError {
-    BackendError::message(
-        BackendErrorKind::Protocol,
-        format!("the {step} script answered {answer}"),
-    )
 }
 
 impl fmt::Debug for RedisBackend {

@@ -18,14 +18,14 @@ use lock_core::{
 };
 use redis::{ErrorKind, RedisError, Value};
 
-use crate::backend::{
-    acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
-};
+use crate::backend::CHANNEL;
 use crate::cluster_batch::{Batchers, Kind};
 use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
+use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, RELEASE_SHARDED};
 use crate::plumbing::timeout::within;
 use crate::slot::{fence_key, key_slot, slot_tag};

@@ -42,8 +42,8 @@ use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, Re
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::map_redis_error;
 use crate::plumbing::connection::{is_broken, open};
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::scripts::Lua;
 
 /// A node's `(host, port)`.

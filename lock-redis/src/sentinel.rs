@@ -10,12 +10,12 @@ use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, ErrorKind};
 
-use crate::backend::map_redis_error;
 #[cfg(doc)]
 use crate::backend::RedisBackend;
 use crate::config::{
     connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
 };
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
 use crate::single_node::{single_node_lock_backend, SingleNode, Source};
 use crate::subscription::PubSubTarget;

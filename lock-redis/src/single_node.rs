@@ -21,13 +21,13 @@ use lock_core::{
 use redis::aio::MultiplexedConnection;
 use redis::FromRedisValue;
 
-use crate::backend::{
-    acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
-};
+use crate::backend::CHANNEL;
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::step_broke;
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
+use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, RELEASE, RELEASE_BATCH};
 use crate::plumbing::timeout::within;
 use crate::sentinel::connected_replicas;

@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
 use tokio::sync::watch;
 
-use crate::backend::map_redis_error;
+use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::task::{deliver, ticker, OnFirstUse, FIRST_RECONNECT_DELAY};
 use crate::plumbing::timeout::within;
 

@@ -4,8 +4,10 @@
 //! the primary the Sentinels name) and the
 //! [`RedisClusterBackend`](crate::RedisClusterBackend) all stand on it.
 //!
-//! - [`scripts`]: every Lua script, the `EVALSHA` call of each, and the
-//!   resend after `NOSCRIPT` (a restarted or flushed server);
+//! - [`scripts`]: every Lua script, the `EVALSHA` call of each, the
+//!   resend after `NOSCRIPT` (a restarted or flushed server), and how
+//!   their answers read;
+//! - [`errors`]: how a Redis error reads as a backend error;
 //! - [`timeout`]: the step timeout;
 //! - [`connection`]: the check of whether an error may mean its connection
 //!   is broken, and the connections the Cluster backend opens itself;
@@ -15,6 +17,7 @@
 //!   released key to the waiters.
 
 pub(crate) mod connection;
+pub(crate) mod errors;
 pub(crate) mod redact;
 pub(crate) mod scripts;
 pub(crate) mod task;

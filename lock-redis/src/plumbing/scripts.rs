@@ -8,11 +8,13 @@
 use std::future::Future;
 use std::sync::OnceLock;
 
-use lock_core::BackendError;
+use std::time::Duration;
+
+use lock_core::{AcquireOutcome, BackendError, BackendErrorKind, ExtendOutcome, ReleaseOutcome};
 use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, FromRedisValue, RedisResult, Script};
 
-use crate::backend::map_redis_error;
+use crate::plumbing::errors::map_redis_error;
 
 /// The acquisition script: `SET NX PX`, then the fencing token.
 pub(crate) const ACQUIRE_LUA: &str = include_str!("../../lua/acquire.lua");
@@ -143,6 +145,46 @@ impl Query for redis::Pipeline {
     ) -> impl Future<Output = RedisResult<T>> + Send {
         self.query_async(conn)
     }
+}
+
+/// A duration in whole milliseconds, as the scripts take their ttls (at
+/// least 1).
+pub(crate) fn ttl_ms(ttl: Duration) -> String {
+    ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
+}
+
+/// The acquire script's answer: 0 busy, else the fencing token.
+pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendError> {
+    match u64::try_from(answer) {
+        Ok(0) => Ok(AcquireOutcome::Busy),
+        Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
+        Err(_) => Err(unexpected("acquire", answer)),
+    }
+}
+
+/// The release script's answer: 1 released, 0 not held.
+pub(crate) fn release_outcome(answer: i64) -> Result<ReleaseOutcome, BackendError> {
+    match answer {
+        1 => Ok(ReleaseOutcome::Released),
+        0 => Ok(ReleaseOutcome::NotHeld),
+        other => Err(unexpected("release", other)),
+    }
+}
+
+pub(crate) fn extend_outcome(answer: i64) -> Result<ExtendOutcome, BackendError> {
+    match answer {
+        1 => Ok(ExtendOutcome::Extended),
+        0 => Ok(ExtendOutcome::Expired),
+        -1 => Ok(ExtendOutcome::Taken),
+        other => Err(unexpected("extend", other)),
+    }
+}
+
+pub(crate) fn unexpected(step: &str, answer: i64) -> BackendError {
+    BackendError::message(
+        BackendErrorKind::Protocol,
+        format!("the {step} script answered {answer}"),
+    )
 }
 
 #[cfg(test)]
