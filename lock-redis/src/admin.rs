@@ -2,24 +2,18 @@
 //! behind Sentinel; what the Redis Cluster backend shares with them (the
 //! scripts, reading their answers, finding locks by their companions).
 
-use std::future::Future;
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use lock_core::{
     async_trait, AdminError, BackendError, BackendErrorKind, LockAdmin, LockInfo, OwnerToken,
 };
 
-use crate::backend::{map_redis_error, RedisBackend};
+use crate::backend::RedisBackend;
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::scripts::{Query, ADMIN_FORCE_RELEASE, ADMIN_READ};
+use crate::plumbing::timeout::within;
+use crate::single_node::{SingleNode, Source};
 use crate::slot::{fence_key, FENCE_INFIX};
-
-/// Reads a lock key, its ttl and its companion whatever their types.
-pub(crate) const READ_LUA: &str = include_str!("../lua/admin_read.lua");
-pub(crate) static READ: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(READ_LUA));
-/// Frees a lock of withlock's format and announces it, in one script run.
-pub(crate) const FORCE_RELEASE_LUA: &str = include_str!("../lua/admin_force_release.lua");
-pub(crate) static FORCE_RELEASE: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(FORCE_RELEASE_LUA));
 
 /// How many keys one `SCAN` step asks for, and how many locks one pipeline
 /// of reads carries.
@@ -57,6 +51,23 @@ pub(crate) type Forced = (String, Option<String>, i64, Option<String>);
 #[async_trait]
 impl LockAdmin for RedisBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+        self.steps().list_locks(prefix).await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+        self.steps().inspect(key).await
+    }
+
+    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+        self.steps().force_release(key).await
+    }
+}
+
+/// The admin functions of every single-node backend (its own, and
+/// [`RedisSentinelBackend`](crate::RedisSentinelBackend)'s on the primary
+/// the Sentinels name).
+impl<S: Source> SingleNode<S> {
+    pub(crate) async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
         let redis_prefix = self.lock_key(prefix).into_owned();
         let pattern = companion_pattern(&redis_prefix);
         let mut keys = Vec::new();
@@ -78,10 +89,7 @@ impl LockAdmin for RedisBackend {
         }
         // Loaded first: a pipeline cannot load a script it finds missing.
         let hash: String = self
-            .admin_query(
-                "load script",
-                redis::cmd("SCRIPT").arg("LOAD").arg(READ_LUA),
-            )
+            .admin_query("load script", &ADMIN_READ.load_cmd())
             .await?;
         let prefix = self.config().prefix.as_str();
         for chunk in keys.chunks(BATCH) {
@@ -104,22 +112,22 @@ impl LockAdmin for RedisBackend {
         Ok(held)
     }
 
-    async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+    pub(crate) async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
-            .run_script("inspect", &READ, &[&lock_key, &fence], &[])
+            .run_script("inspect", &ADMIN_READ, &[&lock_key, &fence], &[])
             .await?;
         info(&self.config().prefix, &lock_key, answer)
     }
 
-    async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+    pub(crate) async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer = self
             .run_script(
                 "force release",
-                &FORCE_RELEASE,
+                &ADMIN_FORCE_RELEASE,
                 &[&lock_key, &fence],
                 &["PUBLISH", self.channel(), &self.config().fence_idle_ms()],
             )
@@ -128,16 +136,16 @@ impl LockAdmin for RedisBackend {
     }
 }
 
-impl RedisBackend {
+impl<S: Source> SingleNode<S> {
     /// Runs one command or pipeline on the backend's connection, bounded
     /// by the command timeout.
     async fn admin_query<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
-        query: &(impl AdminQuery + Sync),
+        query: &(impl Query + Sync),
     ) -> Result<T, BackendError> {
         let limit = self.config().step_timeout;
-        bounded(step, limit, async {
+        within(step, limit, async {
             // The backend's own connection: in Sentinel mode it goes to the
             // primary the Sentinels name, which a pool could not follow.
             let mut conn = self.connection().await?;
@@ -244,43 +252,6 @@ pub(crate) fn forced(
         key: read.key,
         found,
     })
-}
-
-/// A command or a pipeline, sent the same way.
-trait AdminQuery {
-    fn run<T: redis::FromRedisValue>(
-        &self,
-        conn: &mut redis::aio::MultiplexedConnection,
-    ) -> impl Future<Output = redis::RedisResult<T>> + Send;
-}
-
-impl AdminQuery for redis::Cmd {
-    fn run<T: redis::FromRedisValue>(
-        &self,
-        conn: &mut redis::aio::MultiplexedConnection,
-    ) -> impl Future<Output = redis::RedisResult<T>> + Send {
-        self.query_async(conn)
-    }
-}
-
-impl AdminQuery for redis::Pipeline {
-    fn run<T: redis::FromRedisValue>(
-        &self,
-        conn: &mut redis::aio::MultiplexedConnection,
-    ) -> impl Future<Output = redis::RedisResult<T>> + Send {
-        self.query_async(conn)
-    }
-}
-
-async fn bounded<T>(
-    step: &'static str,
-    limit: Duration,
-    work: impl Future<Output = Result<T, BackendError>>,
-) -> Result<T, BackendError> {
-    match tokio::time::timeout(limit, work).await {
-        Ok(answer) => answer,
-        Err(_) => Err(BackendError::timeout(step, limit)),
-    }
 }
 
 /// The Redis key whose fencing companion is `fence`, if `fence` is one.

@@ -4,37 +4,32 @@
 //! master (see [`crate::cluster_batch`]), and releases announced by
 //! `SPUBLISH` on a shard channel of the key's slot.
 //!
-//! Every script call of the cluster backend is built in this file
-//! ([`script_pipe`]), with its keys and arguments.
+//! Every script call of the cluster backend is built in this file, with
+//! its keys and arguments (the scripts: [`crate::plumbing::scripts`]).
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
     ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
-use redis::{ErrorKind, RedisError, Script, Value};
+use redis::{ErrorKind, RedisError, Value};
 
-use crate::backend::{
-    acquire_outcome, extend_outcome, map_redis_error, release_outcome, ttl_ms, CHANNEL,
-};
+use crate::backend::CHANNEL;
 use crate::cluster_batch::{Batchers, Kind};
 use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::redact;
+use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
+use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, RELEASE_SHARDED};
+use crate::plumbing::timeout::within;
 use crate::slot::{fence_key, key_slot, slot_tag};
 use crate::tls::Trust;
-
-const ACQUIRE_LUA: &str = crate::backend::ACQUIRE_LUA;
-const EXTEND_LUA: &str = include_str!("../lua/extend.lua");
-const RELEASE_LUA: &str = include_str!("../lua/release_sharded.lua");
-
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
 /// A lock backend on a Redis Cluster: the same keys, values, scripts and
 /// fencing counters as [`RedisBackend`](crate::RedisBackend), each step
@@ -324,19 +319,7 @@ impl RedisClusterBackend {
         step: &'static str,
         work: impl std::future::Future<Output = Result<T, BackendError>>,
     ) -> Result<T, BackendError> {
-        self.bounded_for(step, self.inner.config.step_timeout, work)
-            .await
-    }
-
-    async fn bounded_for<T>(
-        &self,
-        step: &'static str,
-        limit: Duration,
-        work: impl std::future::Future<Output = Result<T, BackendError>>,
-    ) -> Result<T, BackendError> {
-        tokio::time::timeout(limit, work)
-            .await
-            .unwrap_or_else(|_| Err(BackendError::timeout(step, limit)))
+        within(step, self.inner.config.step_timeout, work).await
     }
 
     /// The master of `key`'s lock key's slot, as the slot map last read
@@ -359,13 +342,10 @@ impl RedisClusterBackend {
         keys: &[&str],
         args: &[&str],
     ) -> Result<Value, BackendError> {
-        let pipe = script_pipe(lua, keys, args);
+        let pipe = lua.pipe(keys, args);
         let slot = keys.first().map_or(0, |k| key_slot(k));
         let values = self
-            .bounded(
-                step,
-                self.inner.nodes.run(lane, slot, &pipe, 1, Some(lua.code)),
-            )
+            .bounded(step, self.inner.nodes.run(lane, slot, &pipe, 1, Some(lua)))
             .await?;
         self.answer(values.into_iter().next())
     }
@@ -433,8 +413,7 @@ impl RedisClusterBackend {
         ttl: Duration,
     ) -> Result<i64, BackendError> {
         let limit = self.inner.config.step_timeout + durability.timeout;
-        let mut pipe = script_pipe(
-            &ACQUIRE_SCRIPT,
+        let mut pipe = ACQUIRE.pipe(
             &[lock_key, fence],
             &[
                 owner.as_str(),
@@ -446,15 +425,14 @@ impl RedisClusterBackend {
             .arg(durability.replicas)
             .arg(ttl_ms(durability.timeout));
         let slot = key_slot(lock_key);
-        let values = self
-            .bounded_for(
-                "acquisition",
-                limit,
-                self.inner
-                    .nodes
-                    .run(Lane::Durable, slot, &pipe, 2, Some(ACQUIRE_SCRIPT.code)),
-            )
-            .await?;
+        let values = within(
+            "acquisition",
+            limit,
+            self.inner
+                .nodes
+                .run(Lane::Durable, slot, &pipe, 2, Some(&ACQUIRE)),
+        )
+        .await?;
         let mut values = values.into_iter();
         let acquired = script_number("acquisition", self.answer(values.next())?)?;
         if acquired <= 0 {
@@ -477,7 +455,7 @@ impl RedisClusterBackend {
             .eval(
                 "release",
                 Lane::Durable,
-                &RELEASE_SCRIPT,
+                &RELEASE_SHARDED,
                 &[lock_key, fence],
                 &[owner.as_str(), &channel, &self.inner.config.fence_idle_ms()],
             )
@@ -518,7 +496,7 @@ impl RedisClusterBackend {
                 self.eval(
                     "extension",
                     Lane::Steps,
-                    &EXTEND_SCRIPT,
+                    &EXTEND,
                     &[&lock_key, &fence_key(&lock_key)],
                     &[&owner, &ttl, &fence_ttl, &token],
                 )
@@ -534,9 +512,8 @@ impl RedisClusterBackend {
         };
         let mut pipe = redis::pipe();
         for (_, lock_key, request) in &group {
-            add_script(
+            EXTEND.add_call(
                 &mut pipe,
-                &EXTEND_SCRIPT,
                 &[lock_key, &fence_key(lock_key)],
                 &[
                     request.lease.owner().as_str(),
@@ -633,55 +610,12 @@ fn trusted(
     infos.into_iter().map(|info| trust.apply(info)).collect()
 }
 
-/// A Lua script with its source, so that it can be loaded on one node.
-pub(crate) struct Lua {
-    pub(crate) code: &'static str,
-    pub(crate) script: &'static LazyLock<Script>,
-}
-
-pub(crate) static ACQUIRE_SCRIPT: Lua = Lua {
-    code: ACQUIRE_LUA,
-    script: &ACQUIRE,
-};
-pub(crate) static EXTEND_SCRIPT: Lua = Lua {
-    code: EXTEND_LUA,
-    script: &EXTEND,
-};
-pub(crate) static RELEASE_SCRIPT: Lua = Lua {
-    code: RELEASE_LUA,
-    script: &RELEASE,
-};
-
-/// One script call as a pipeline of one command.
-pub(crate) fn script_pipe(lua: &Lua, keys: &[&str], args: &[&str]) -> redis::Pipeline {
-    let mut pipe = redis::Pipeline::with_capacity(2);
-    add_script(&mut pipe, lua, keys, args);
-    pipe
-}
-
-/// `EVALSHA` of `lua` with `keys` and `args`, added to `pipe`: every
-/// script call of the cluster backend (and its admin) is made here.
-pub(crate) fn add_script(pipe: &mut redis::Pipeline, lua: &Lua, keys: &[&str], args: &[&str]) {
-    pipe.cmd("EVALSHA")
-        .arg(lua.script.get_hash())
-        .arg(keys.len())
-        .arg(keys)
-        .arg(args);
-}
-
 impl fmt::Debug for RedisClusterBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Never the connection infos: their Debug would show the password.
         f.debug_struct("RedisClusterBackend")
             .field("nodes", &self.inner.given)
-            .field(
-                "password",
-                &if self.inner.has_password {
-                    "<redacted>"
-                } else {
-                    "<none>"
-                },
-            )
+            .field("password", &redact::secret(self.inner.has_password))
             .field("config", &self.inner.config)
             .field("connected", &self.inner.nodes.is_connected())
             .field("subscribed", &self.is_subscribed())
@@ -751,7 +685,7 @@ impl LockBackend for RedisClusterBackend {
             .eval(
                 "extension",
                 Lane::Steps,
-                &EXTEND_SCRIPT,
+                &EXTEND,
                 &[&lock_key, &fence_key(&lock_key)],
                 &[
                     lease.owner().as_str(),
@@ -882,8 +816,8 @@ impl Kind {
     /// The script of a step of this kind.
     pub(crate) fn lua(self) -> &'static Lua {
         match self {
-            Kind::Acquisition => &ACQUIRE_SCRIPT,
-            Kind::Release => &RELEASE_SCRIPT,
+            Kind::Acquisition => &ACQUIRE,
+            Kind::Release => &RELEASE_SHARDED,
         }
     }
 }

@@ -6,21 +6,12 @@ use lock_core::{async_trait, AdminError, BackendError, BackendErrorKind, LockAdm
 use redis::Value;
 
 use crate::admin::{
-    companion_pattern, forced, info, locks_of_companions, scan, Forced, Read, BATCH, FORCE_RELEASE,
-    FORCE_RELEASE_LUA, READ, READ_LUA,
+    companion_pattern, forced, info, locks_of_companions, scan, Forced, Read, BATCH,
 };
-use crate::cluster::{Lua, RedisClusterBackend};
+use crate::cluster::RedisClusterBackend;
 use crate::cluster_nodes::Lane;
+use crate::plumbing::scripts::{Lua, ADMIN_FORCE_RELEASE, ADMIN_READ};
 use crate::slot::fence_key;
-
-static READ_SCRIPT: Lua = Lua {
-    code: READ_LUA,
-    script: &READ,
-};
-static FORCE_RELEASE_SCRIPT: Lua = Lua {
-    code: FORCE_RELEASE_LUA,
-    script: &FORCE_RELEASE,
-};
 
 /// Lists, inspects and force-releases locks on the cluster, with the
 /// keys, scripts and answers of [`RedisBackend`](crate::RedisBackend)'s
@@ -78,7 +69,7 @@ impl LockAdmin for RedisClusterBackend {
             let reads = chunk.iter().map(|key| async move {
                 let fence = fence_key(key);
                 let answer: Read = self
-                    .admin_script("read", &READ_SCRIPT, key, &fence, &[])
+                    .admin_script("read", &ADMIN_READ, key, &fence, &[])
                     .await?;
                 info(prefix, key, answer)
             });
@@ -95,7 +86,7 @@ impl LockAdmin for RedisClusterBackend {
         let lock_key = self.lock_key(key);
         let fence = fence_key(&lock_key);
         let answer: Read = self
-            .admin_script("inspect", &READ_SCRIPT, &lock_key, &fence, &[])
+            .admin_script("inspect", &ADMIN_READ, &lock_key, &fence, &[])
             .await?;
         info(&self.config().prefix, &lock_key, answer)
     }
@@ -107,7 +98,7 @@ impl LockAdmin for RedisClusterBackend {
         let answer: Forced = self
             .admin_script(
                 "force release",
-                &FORCE_RELEASE_SCRIPT,
+                &ADMIN_FORCE_RELEASE,
                 &lock_key,
                 &fence,
                 &["SPUBLISH", &channel, &self.config().fence_idle_ms()],

@@ -23,7 +23,7 @@ use redis::Value;
 use tokio::sync::oneshot;
 
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
-use crate::cluster::{add_script, needs_routing, RedisClusterBackend};
+use crate::cluster::{needs_routing, RedisClusterBackend};
 use crate::cluster_nodes::{Lane, Node};
 
 /// The two kinds of step that go out in batches under load.
@@ -154,7 +154,7 @@ impl BatchOnTheWire {
         let mut pipe = redis::Pipeline::with_capacity(self.batch.len());
         for queued in &self.batch {
             let (keys, args) = queued.keys_and_args();
-            add_script(&mut pipe, lua, &keys, &args);
+            lua.add_call(&mut pipe, &keys, &args);
         }
         let n = self.batch.len();
         let sent = backend

@@ -8,8 +8,8 @@ use std::time::Duration;
 use lock_core::{BackendError, BackendErrorKind};
 use redis::ConnectionInfo;
 
-use crate::backend::map_redis_error;
 use crate::config::SetupError;
+use crate::plumbing::errors::map_redis_error;
 
 /// What one node says about its cluster.
 struct View {

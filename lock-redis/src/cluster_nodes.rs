@@ -42,7 +42,9 @@ use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, Re
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::backend::map_redis_error;
+use crate::plumbing::connection::{is_broken, open};
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::scripts::Lua;
 
 /// A node's `(host, port)`.
 pub(crate) type Node = (String, u16);
@@ -360,7 +362,7 @@ impl ClusterNodes {
         slot: u16,
         pipe: &redis::Pipeline,
         count: usize,
-        script: Option<&str>,
+        script: Option<&Lua>,
     ) -> Result<Vec<Value>, BackendError> {
         let map = self.map().await?;
         let Some(master) = map.master_of(slot).cloned() else {
@@ -391,20 +393,18 @@ impl ClusterNodes {
                 return Ok(values);
             };
             let error = RedisError::from(first.clone());
-            match error.kind() {
-                ErrorKind::NoScriptError if !loaded && script.is_some() => {
+            match (error.kind(), script) {
+                (ErrorKind::NoScriptError, Some(script)) if !loaded => {
                     loaded = true;
-                    let mut load = redis::cmd("SCRIPT");
-                    load.arg("LOAD").arg(script.unwrap_or_default());
                     let mut one = redis::pipe();
-                    one.add_command(load);
+                    one.add_command(script.load_cmd());
                     if let Some(Value::ServerError(e)) =
                         self.send(&node, lane, &one, 0, 1).await?.first()
                     {
                         return Err(map_redis_error(RedisError::from(e.clone())));
                     }
                 }
-                ErrorKind::Moved | ErrorKind::Ask if redirects < MAX_REDIRECTS => {
+                (ErrorKind::Moved | ErrorKind::Ask, _) if redirects < MAX_REDIRECTS => {
                     redirects += 1;
                     let Some(to) = error.redirect_node().and_then(|(addr, _)| split(addr)) else {
                         return Ok(values);
@@ -490,20 +490,13 @@ impl Shared {
         if let Some(current) = slot.current() {
             return Ok(current);
         }
-        let client = redis::Client::open(self.info(node)).map_err(BackendError::unavailable)?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(self.timeout)
-            .set_response_timeout(self.timeout);
-        let conn = match tokio::time::timeout(
+        let conn = open(
+            "connecting",
+            self.info(node),
             self.timeout,
-            client.get_multiplexed_async_connection_with_config(&config),
+            AsyncConnectionConfig::new(),
         )
-        .await
-        {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(error)) => return Err(crate::config::connection_error(error)),
-            Err(_) => return Err(BackendError::timeout("connecting", self.timeout)),
-        };
+        .await?;
         let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
         *slot.lock() = Some((generation, conn.clone()));
         Ok((generation, conn))
@@ -631,15 +624,6 @@ pub(crate) fn split(addr: &str) -> Option<Node> {
     let (host, port) = addr.rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     Some((host.to_owned(), port.parse().ok()?))
-}
-
-/// Whether an error may mean the connection that gave it is broken.
-pub(crate) fn is_broken(error: &RedisError) -> bool {
-    error.is_io_error()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || error.is_unrecoverable_error()
-        || error.is_timeout()
 }
 
 /// A request that failed on its node: refused (nothing was sent) is

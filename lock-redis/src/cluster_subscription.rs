@@ -37,11 +37,14 @@ use std::time::Duration;
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, PushInfo, PushKind, Value};
-use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::time::Instant;
 
 use crate::cluster::slot_channel;
 use crate::cluster_nodes::{ClusterNodes, Node};
+use crate::plumbing::connection::open;
+use crate::plumbing::task::{deliver, ticker, OnFirstUse, FIRST_RECONNECT_DELAY};
+use crate::plumbing::timeout::within;
 use crate::slot::key_slot;
 
 /// How often the task checks for channels no waiter needs any more (and
@@ -66,10 +69,9 @@ pub struct SubscriptionStats {
 
 pub(crate) struct ShardedSubscription {
     shared: Arc<Shared>,
-    /// Taken by the first watch, which starts the task. The task ends when
-    /// the sender half (kept here) is dropped with the backend.
-    start: Mutex<Option<(oneshot::Receiver<()>, mpsc::UnboundedReceiver<Event>)>>,
-    _alive: oneshot::Sender<()>,
+    /// Started by the first watch, with the events its connections send;
+    /// ends with the backend.
+    task: OnFirstUse<(Arc<Shared>, mpsc::UnboundedReceiver<Event>)>,
 }
 
 struct Shared {
@@ -135,27 +137,26 @@ enum Event {
 
 impl ShardedSubscription {
     pub(crate) fn new(nodes: ClusterNodes, config: &crate::RedisConfig) -> Self {
-        let (alive, start) = oneshot::channel();
         let (events, received) = mpsc::unbounded_channel();
         let (changed, _) = watch::channel(0);
+        let shared = Arc::new(Shared {
+            nodes,
+            prefix: config.prefix.clone(),
+            hub: ReleaseHub::new(),
+            needed: ReleaseHub::new(),
+            timeout: config.step_timeout,
+            health_check_interval: config.health_check_interval,
+            max_reconnect_delay: config.max_reconnect_delay,
+            state: Mutex::new(State::default()),
+            changed,
+            kick: Notify::new(),
+            events,
+            subscribe_requests: AtomicU64::new(0),
+            unsubscribed: AtomicU64::new(0),
+        });
         Self {
-            shared: Arc::new(Shared {
-                nodes,
-                prefix: config.prefix.clone(),
-                hub: ReleaseHub::new(),
-                needed: ReleaseHub::new(),
-                timeout: config.step_timeout,
-                health_check_interval: config.health_check_interval,
-                max_reconnect_delay: config.max_reconnect_delay,
-                state: Mutex::new(State::default()),
-                changed,
-                kick: Notify::new(),
-                events,
-                subscribe_requests: AtomicU64::new(0),
-                unsubscribed: AtomicU64::new(0),
-            }),
-            start: Mutex::new(Some((start, received))),
-            _alive: alive,
+            task: OnFirstUse::new((Arc::clone(&shared), received)),
+            shared,
         }
     }
 
@@ -236,21 +237,11 @@ impl ShardedSubscription {
     }
 
     fn start_task(&self) {
-        let start = self
-            .start
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some((dropped, events)) = start {
-            let shared = Arc::clone(&self.shared);
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = dropped => {}
-                    () = run(&shared, events) => {}
-                }
+        self.task.start(|(shared, events)| {
+            (async move { run(&shared, events).await }, || {
                 tracing::debug!("sharded release subscription ended");
-            });
-        }
+            })
+        });
     }
 }
 
@@ -311,7 +302,7 @@ impl Shared {
                 conn: None,
                 connecting: false,
                 retry_at: now,
-                delay: Duration::from_millis(50),
+                delay: FIRST_RECONNECT_DELAY,
             });
             if link.conn.is_some() {
                 channel.pending = Some((node.clone(), link.generation, subscribe));
@@ -358,26 +349,10 @@ impl Shared {
         let from = node.clone();
         let mut info = self.nodes.info(&node);
         info.redis.protocol = redis::ProtocolVersion::RESP3;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(self.timeout)
-            .set_response_timeout(self.timeout)
-            .set_push_sender(move |push: PushInfo| {
-                events.send(Event::Push(from.clone(), generation, push))
-            });
-        let made = async {
-            let client = redis::Client::open(info).map_err(BackendError::unavailable)?;
-            match tokio::time::timeout(
-                self.timeout,
-                client.get_multiplexed_async_connection_with_config(&config),
-            )
-            .await
-            {
-                Ok(Ok(conn)) => Ok(conn),
-                Ok(Err(error)) => Err(crate::config::connection_error(error)),
-                Err(_) => Err(BackendError::timeout("subscribing", self.timeout)),
-            }
-        };
-        let event = match made.await {
+        let config = AsyncConnectionConfig::new().set_push_sender(move |push: PushInfo| {
+            events.send(Event::Push(from.clone(), generation, push))
+        });
+        let event = match open("subscribing", info, self.timeout, config).await {
             Ok(conn) => Event::Connected(node, generation, conn),
             Err(error) => Event::Failed(node, generation, error),
         };
@@ -407,19 +382,20 @@ impl Shared {
         if subscribes > 0 {
             self.subscribe_requests.fetch_add(1, Ordering::Relaxed);
         }
-        let answer =
-            tokio::time::timeout(self.timeout, conn.send_packed_commands(&pipe, 0, ops.len()))
-                .await;
-        let result = match answer {
-            Ok(Ok(values)) => Ok(ops
-                .iter()
-                .zip(values)
-                .filter(|(_, value)| matches!(value, Value::ServerError(_)))
-                .map(|(op, _)| *op)
-                .collect()),
-            Ok(Err(error)) => Err(crate::cluster_nodes::map_node_error(error)),
-            Err(_) => Err(BackendError::timeout("subscribing", self.timeout)),
+        let sent = async {
+            conn.send_packed_commands(&pipe, 0, ops.len())
+                .await
+                .map_err(crate::cluster_nodes::map_node_error)
         };
+        let result = within("subscribing", self.timeout, sent)
+            .await
+            .map(|values| {
+                ops.iter()
+                    .zip(values)
+                    .filter(|(_, value)| matches!(value, Value::ServerError(_)))
+                    .map(|(op, _)| *op)
+                    .collect()
+            });
         let _ = self.events.send(Event::Sent(node, generation, result));
     }
 
@@ -521,7 +497,7 @@ impl Shared {
                 {
                     link.conn = Some(conn);
                     link.connecting = false;
-                    link.delay = Duration::from_millis(50);
+                    link.delay = FIRST_RECONNECT_DELAY;
                     tracing::debug!(?node, "sharded release subscription connected");
                 }
             }
@@ -575,16 +551,8 @@ impl Shared {
 
     /// Hands a published release to the hub.
     fn deliver(&self, data: &[Value]) {
-        let Some(Value::BulkString(payload)) = data.last() else {
-            return;
-        };
-        match std::str::from_utf8(payload) {
-            Ok(key) => {
-                if let Some(key) = key.strip_prefix(self.prefix.as_str()) {
-                    self.hub.notify(key);
-                }
-            }
-            Err(_) => tracing::trace!("release message is not UTF-8; ignored"),
+        if let Some(Value::BulkString(payload)) = data.last() {
+            deliver(&self.hub, &self.prefix, payload);
         }
     }
 }
@@ -620,10 +588,8 @@ fn lose(state: &mut State, node: &Node, max_delay: Duration) -> bool {
 }
 
 async fn run(shared: &Arc<Shared>, mut events: mpsc::UnboundedReceiver<Event>) {
-    let mut sweep = tokio::time::interval(SWEEP_INTERVAL.min(shared.health_check_interval));
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut health = tokio::time::interval(shared.health_check_interval);
-    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweep = ticker(SWEEP_INTERVAL.min(shared.health_check_interval));
+    let mut health = ticker(shared.health_check_interval);
     health.tick().await;
     let mut maps = shared.nodes.map_changes();
     let mut due: Option<Instant> = None;

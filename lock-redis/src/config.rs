@@ -185,12 +185,12 @@ impl RedisConfig {
     /// The companion's ttl for a lock taken or extended for `ttl`, in
     /// milliseconds, as the scripts take it.
     pub(crate) fn fence_ttl_ms(&self, ttl: Duration) -> String {
-        crate::backend::ttl_ms(ttl.saturating_add(self.fence_idle))
+        crate::plumbing::scripts::ttl_ms(ttl.saturating_add(self.fence_idle))
     }
 
     /// The companion's ttl after a release, in milliseconds.
     pub(crate) fn fence_idle_ms(&self) -> String {
-        crate::backend::ttl_ms(self.fence_idle)
+        crate::plumbing::scripts::ttl_ms(self.fence_idle)
     }
 
     pub(crate) fn validate(&self) -> Result<(), SetupError> {

@@ -11,7 +11,9 @@ mod cluster_nodes;
 mod cluster_subscription;
 mod config;
 mod durability;
+mod plumbing;
 mod sentinel;
+mod single_node;
 pub mod slot;
 mod subscription;
 #[cfg(feature = "testing")]

@@ -3,16 +3,22 @@
 //! `READONLY` (a demoted primary still answers `PING`).
 
 use std::fmt;
+use std::sync::Arc;
 
 use lock_core::{BackendError, BackendErrorKind};
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, ErrorKind};
 
-use crate::backend::{map_redis_error, RedisBackend};
+#[cfg(doc)]
+use crate::backend::RedisBackend;
 use crate::config::{
     connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
 };
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::redact;
+use crate::single_node::{single_node_lock_backend, SingleNode, Source};
+use crate::subscription::PubSubTarget;
 use crate::tls::Trust;
 
 /// How to reach a Redis deployment behind Sentinel: the Sentinels and
@@ -206,15 +212,6 @@ impl SentinelConfig {
     }
 }
 
-/// `<redacted>` for a secret that is set, `<none>` otherwise.
-fn redacted(secret: Option<&String>) -> &'static str {
-    if secret.is_some() {
-        "<redacted>"
-    } else {
-        "<none>"
-    }
-}
-
 impl fmt::Debug for SentinelConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Addresses only (`host:port`): a URL could carry the password.
@@ -225,12 +222,12 @@ impl fmt::Debug for SentinelConfig {
             .field("sentinel_username", &self.sentinel_username)
             .field(
                 "sentinel_password",
-                &redacted(self.sentinel_password.as_ref()),
+                &redact::secret(self.sentinel_password.is_some()),
             )
             .field("data_node_username", &self.data_node_username)
             .field(
                 "data_node_password",
-                &redacted(self.data_node_password.as_ref()),
+                &redact::secret(self.data_node_password.is_some()),
             )
             .field("data_node_db", &self.data_node_db)
             .field("data_node_tls", &self.data_node_tls)
@@ -253,11 +250,6 @@ impl SentinelSource {
             config,
             client: tokio::sync::Mutex::new(client),
         })
-    }
-
-    /// Whether the data nodes are reached with a password.
-    pub(crate) fn has_password(&self) -> bool {
-        self.config.data_node_password.is_some()
     }
 
     /// A client for the primary, asked of the Sentinels now; the `redis`
@@ -285,14 +277,21 @@ impl SentinelSource {
             Err(error) => Err(crate::config::connection_error(error)),
         }
     }
+}
 
-    /// A new connection to the primary.
-    pub(crate) async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+impl Source for SentinelSource {
+    /// A new connection to the primary the Sentinels name now.
+    async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
         self.master()
             .await?
             .get_multiplexed_async_connection()
             .await
             .map_err(BackendError::unavailable)
+    }
+
+    /// Whether the data nodes are reached with a password.
+    fn has_password(&self) -> bool {
+        self.config.data_node_password.is_some()
     }
 }
 
@@ -317,13 +316,30 @@ impl fmt::Debug for SentinelSource {
 /// Cheap to clone; clones share the connection and the subscription.
 #[derive(Clone)]
 pub struct RedisSentinelBackend {
-    backend: RedisBackend,
+    steps: SingleNode<Arc<SentinelSource>>,
 }
 
-lock_core::forward_lock_backend!(RedisSentinelBackend => backend);
-// The admin functions of the backend it wraps, on the primary the
-// Sentinels name (see `impl LockAdmin for RedisBackend`).
-lock_core::forward_lock_admin!(RedisSentinelBackend => backend);
+single_node_lock_backend!(RedisSentinelBackend => steps);
+
+/// The admin functions of [`RedisBackend`] (see its `LockAdmin`), on the
+/// primary the Sentinels name.
+#[lock_core::async_trait]
+impl lock_core::LockAdmin for RedisSentinelBackend {
+    async fn list_locks(&self, prefix: &str) -> Result<Vec<lock_core::LockInfo>, BackendError> {
+        self.steps.list_locks(prefix).await
+    }
+
+    async fn inspect(&self, key: &str) -> Result<lock_core::LockInfo, BackendError> {
+        self.steps.inspect(key).await
+    }
+
+    async fn force_release(
+        &self,
+        key: &str,
+    ) -> Result<Option<lock_core::LockInfo>, lock_core::AdminError> {
+        self.steps.force_release(key).await
+    }
+}
 
 impl RedisSentinelBackend {
     /// A backend on the primary that the Sentinels at `sentinel_urls`
@@ -367,9 +383,11 @@ impl RedisSentinelBackend {
     /// settings cannot be used.
     pub fn with_config(sentinel: SentinelConfig, config: RedisConfig) -> Result<Self, SetupError> {
         config.validate()?;
-        let source = SentinelSource::new(sentinel)?;
+        crate::durability::validate(&config)?;
+        let source = Arc::new(SentinelSource::new(sentinel)?);
+        let pubsub = PubSubTarget::Sentinel(Arc::clone(&source));
         Ok(Self {
-            backend: RedisBackend::on_sentinel(source, config)?,
+            steps: SingleNode::new(source, pubsub, None, config),
         })
     }
 
@@ -427,7 +445,7 @@ impl RedisSentinelBackend {
         config: RedisConfig,
     ) -> Result<Self, SetupError> {
         let backend = Self::with_config(sentinel, config)?;
-        let source = backend.backend.sentinel().ok_or(SetupError::NoSentinels)?;
+        let source = backend.steps.source();
         let timeout = backend.config().step_timeout;
         let looked_up = tokio::time::timeout(timeout, source.master()).await;
         match looked_up {
@@ -452,45 +470,45 @@ impl RedisSentinelBackend {
                 )))
             }
         }
-        backend.backend.check_primary().await?;
+        backend.steps.check_primary().await?;
         Ok(backend)
     }
 
     /// The master name the Sentinels are asked about.
     pub fn master_name(&self) -> &str {
-        self.backend
-            .sentinel()
-            .map_or("", |source| source.config.master_name())
+        self.steps.source().config.master_name()
     }
 
     /// The configuration the backend was made with.
     pub fn config(&self) -> &RedisConfig {
-        self.backend.config()
+        self.steps.config()
     }
 
     /// The Redis key that holds the lock of `key` (see
     /// [`RedisBackend::lock_key`]).
     pub fn lock_key<'k>(&self, key: &'k str) -> std::borrow::Cow<'k, str> {
-        self.backend.lock_key(key)
+        self.steps.lock_key(key)
     }
 
     /// The Redis key of the fencing counter of `key` (see
     /// [`RedisBackend::fence_key`]).
     pub fn fence_key(&self, key: &str) -> String {
-        self.backend.fence_key(key)
+        crate::slot::fence_key(&self.lock_key(key))
     }
 
     /// Whether the release subscription is in place now.
     pub fn is_subscribed(&self) -> bool {
-        self.backend.is_subscribed()
+        self.steps.is_subscribed()
     }
 }
 
 impl fmt::Debug for RedisSentinelBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisSentinelBackend")
-            .field("sentinel", &self.backend.sentinel())
-            .field("backend", &self.backend)
+        let mut shown = f.debug_struct("RedisSentinelBackend");
+        shown.field("sentinel", self.steps.source());
+        self.steps
+            .describe(&mut shown)
+            .field("subscribed", &self.is_subscribed())
             .finish()
     }
 }

@@ -7,14 +7,16 @@
 //! it may have missed releases in between. It ends when the backend is
 //! dropped.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
-use crate::backend::map_redis_error;
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::task::{deliver, ticker, OnFirstUse, FIRST_RECONNECT_DELAY};
+use crate::plumbing::timeout::within;
 
 /// Where the subscription stands.
 #[derive(Clone, Debug)]
@@ -62,10 +64,8 @@ struct Shared {
 
 pub(crate) struct Subscription {
     shared: Arc<Shared>,
-    /// Taken by the first watch, which starts the task. The task ends when
-    /// the sender half (kept here) is dropped with the backend.
-    start: Mutex<Option<oneshot::Receiver<()>>>,
-    _alive: oneshot::Sender<()>,
+    /// Started by the first watch; ends with the backend.
+    task: OnFirstUse<Arc<Shared>>,
 }
 
 impl Subscription {
@@ -75,21 +75,20 @@ impl Subscription {
         prefix: String,
         config: &crate::RedisConfig,
     ) -> Self {
-        let (alive, start) = oneshot::channel();
         let (state, _) = watch::channel(State::Connecting);
+        let shared = Arc::new(Shared {
+            client,
+            channel,
+            prefix,
+            hub: ReleaseHub::new(),
+            state,
+            timeout: config.step_timeout,
+            health_check_interval: config.health_check_interval,
+            max_reconnect_delay: config.max_reconnect_delay,
+        });
         Self {
-            shared: Arc::new(Shared {
-                client,
-                channel,
-                prefix,
-                hub: ReleaseHub::new(),
-                state,
-                timeout: config.step_timeout,
-                health_check_interval: config.health_check_interval,
-                max_reconnect_delay: config.max_reconnect_delay,
-            }),
-            start: Mutex::new(Some(start)),
-            _alive: alive,
+            task: OnFirstUse::new(Arc::clone(&shared)),
+            shared,
         }
     }
 
@@ -127,32 +126,22 @@ impl Subscription {
     }
 
     fn start_task(&self) {
-        let start = self
-            .start
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(dropped) = start {
-            let shared = Arc::clone(&self.shared);
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = dropped => {}
-                    () = run(&shared) => {}
-                }
-                tracing::debug!(channel = %shared.channel, "release subscription ended");
-            });
-        }
+        self.task.start(|shared| {
+            let ended = Arc::clone(&shared);
+            (async move { run(&shared).await }, move || {
+                tracing::debug!(channel = %ended.channel, "release subscription ended");
+            })
+        });
     }
 }
 
 async fn run(shared: &Shared) {
-    let first_delay = Duration::from_millis(50);
-    let mut delay = first_delay;
+    let mut delay = FIRST_RECONNECT_DELAY;
     let mut first = true;
     loop {
         match subscribe(shared).await {
             Ok(pubsub) => {
-                delay = first_delay;
+                delay = FIRST_RECONNECT_DELAY;
                 shared.state.send_replace(State::Subscribed);
                 if !first {
                     // Releases may have been missed while not subscribed.
@@ -185,18 +174,14 @@ async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> 
             .map_err(map_redis_error)?;
         Ok::<_, BackendError>(pubsub)
     };
-    match tokio::time::timeout(shared.timeout, connect).await {
-        Ok(answer) => answer,
-        Err(_) => Err(BackendError::timeout("subscribing", shared.timeout)),
-    }
+    within("subscribing", shared.timeout, connect).await
 }
 
 /// Dispatches messages until the connection drops or fails a ping, and says
 /// why it stopped.
 async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
     let (mut sink, mut messages) = pubsub.split();
-    let mut health = tokio::time::interval(shared.health_check_interval);
-    health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut health = ticker(shared.health_check_interval);
     health.tick().await;
     loop {
         tokio::select! {
@@ -207,21 +192,12 @@ async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
                         "the release subscription connection closed",
                     );
                 };
-                let payload = message.get_payload_bytes();
-                match std::str::from_utf8(payload) {
-                    Ok(key) => {
-                        if let Some(key) = key.strip_prefix(shared.prefix.as_str()) {
-                            shared.hub.notify(key);
-                        }
-                    }
-                    Err(_) => tracing::trace!("release message is not UTF-8; ignored"),
-                }
+                deliver(&shared.hub, &shared.prefix, message.get_payload_bytes());
             }
             _ = health.tick() => {
-                match tokio::time::timeout(shared.timeout, sink.ping::<redis::Value>()).await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => return map_redis_error(e),
-                    Err(_) => return BackendError::timeout("pinging the subscription", shared.timeout),
+                let ping = async { sink.ping::<redis::Value>().await.map_err(map_redis_error) };
+                if let Err(error) = within("pinging the subscription", shared.timeout, ping).await {
+                    return error;
                 }
             }
         }

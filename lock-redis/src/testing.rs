@@ -45,7 +45,7 @@ pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 /// key and its fencing companion; arguments: the owner token, the ttl and
 /// the companion's ttl in milliseconds), for benchmarks and tests that
 /// send it by hand.
-pub const ACQUIRE_SCRIPT: &str = crate::backend::ACQUIRE_LUA;
+pub const ACQUIRE_SCRIPT: &str = crate::plumbing::scripts::ACQUIRE_LUA;
 
 /// The backend's release script (keys: the lock key and its fencing
 /// companion; arguments: the owner token, the release channel and the

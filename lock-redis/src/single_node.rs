@@ -1,0 +1,866 @@
+//! The lock steps of a single Redis server, wherever its connections come
+//! from: [`RedisBackend`](crate::RedisBackend) takes them from the user's
+//! pool, [`RedisSentinelBackend`](crate::RedisSentinelBackend) from the
+//! primary the Sentinels name now (a [`Source`] each). One Lua script per
+//! step (concurrent ones in batches, see [`crate::batch`]), on one shared
+//! connection.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+#[cfg(doc)]
+use lock_core::LockBackend;
+use lock_core::{
+    batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
+    ExtendRequest, Hold, Lease, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+};
+use redis::aio::MultiplexedConnection;
+use redis::FromRedisValue;
+
+use crate::backend::CHANNEL;
+use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
+use crate::config::{connect_error, RedisConfig, SetupError};
+use crate::plumbing::connection::step_broke;
+use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::redact;
+use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
+use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, RELEASE, RELEASE_BATCH};
+use crate::plumbing::timeout::within;
+use crate::sentinel::connected_replicas;
+use crate::slot::fence_key;
+use crate::subscription::{PubSubTarget, Subscription};
+
+/// Where a single-node backend's connections come from.
+pub(crate) trait Source: Send + Sync + 'static {
+    /// A new connection to the server. A failure is
+    /// [`Unavailable`](BackendErrorKind::Unavailable) when nothing was
+    /// sent, or a setup error for refused credentials.
+    fn connection(
+        &self,
+    ) -> impl Future<Output = Result<MultiplexedConnection, BackendError>> + Send;
+
+    /// Whether the server is reached with a password.
+    fn has_password(&self) -> bool;
+}
+
+impl<T: Source> Source for Arc<T> {
+    fn connection(
+        &self,
+    ) -> impl Future<Output = Result<MultiplexedConnection, BackendError>> + Send {
+        T::connection(self)
+    }
+
+    fn has_password(&self) -> bool {
+        T::has_password(self)
+    }
+}
+
+/// The steps on one server, the connections from `S`. Cheap to clone;
+/// clones share the connections, the subscription and the batches.
+pub(crate) struct SingleNode<S> {
+    inner: Arc<Inner<S>>,
+}
+
+impl<S> Clone for SingleNode<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+struct Inner<S> {
+    source: S,
+    /// One multiplexed connection taken from the source, shared by every
+    /// step: a pool checkout costs a `PING` round trip each time. Dropped
+    /// after a connection error or timeout; the next step takes a new one.
+    shared: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// The connection of acquisitions that `WAIT` for replicas, so that a
+    /// slow `WAIT` never holds up the extensions on `shared`.
+    durable: std::sync::Mutex<Option<MultiplexedConnection>>,
+    config: RedisConfig,
+    channel: String,
+    subscription: Option<Subscription>,
+    /// The pub/sub client, when the user gave it beside their own pool: it
+    /// must reach the same server, which the first watch checks.
+    separate_client: Option<redis::Client>,
+    same_server: tokio::sync::OnceCell<Result<(), BackendError>>,
+    /// Acquisitions and releases on the wire, and those waiting to go out
+    /// together.
+    acquisitions: Batcher,
+    releases: Batcher,
+}
+
+impl<S: Source> SingleNode<S> {
+    /// The steps on `source` with `config`, release notifications (when on)
+    /// over a subscription to `pubsub`. `separate_client`: the pub/sub
+    /// client the user gave beside their own pool, checked at the first
+    /// watch to reach the same server.
+    pub(crate) fn new(
+        source: S,
+        pubsub: PubSubTarget,
+        separate_client: Option<redis::Client>,
+        config: RedisConfig,
+    ) -> Self {
+        let channel = format!("{}{CHANNEL}", config.prefix);
+        let subscription = config
+            .release_notifications
+            .then(|| Subscription::new(pubsub, channel.clone(), config.prefix.clone(), &config));
+        Self {
+            inner: Arc::new(Inner {
+                source,
+                shared: std::sync::Mutex::new(None),
+                durable: std::sync::Mutex::new(None),
+                config,
+                channel,
+                subscription,
+                separate_client,
+                same_server: tokio::sync::OnceCell::new(),
+                acquisitions: Batcher::default(),
+                releases: Batcher::default(),
+            }),
+        }
+    }
+    /// `PING` through the backend's connection, and the replicas the
+    /// durability setting waits for: nothing is written.
+    pub(crate) async fn check_primary(&self) -> Result<(), SetupError> {
+        let durability = self.inner.config.durability;
+        let available = self
+            .bounded("connecting", async {
+                let mut conn = self.connection().await?;
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map_err(map_redis_error)?;
+                if durability.is_none() {
+                    return Ok(None);
+                }
+                // `INFO` is in the `@dangerous` ACL category: a user
+                // without it skips this check, and `WAIT` after each
+                // acquisition still counts the replicas [D3].
+                match connected_replicas(&mut conn).await {
+                    Ok(n) => Ok(Some(n)),
+                    Err(e) if e.is_permanent() => {
+                        tracing::info!(error = %e, "INFO is not allowed for this user: the replicas the durability setting waits for are not checked at connect");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .await
+            .map_err(|error| connect_error(error, "the Redis server"))?;
+        match (durability, available) {
+            (Some(d), Some(available)) if d.replicas > available => {
+                Err(SetupError::NotEnoughReplicas {
+                    wanted: d.replicas,
+                    available,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The configuration the backend was made with.
+    pub(crate) fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// Where the connections come from.
+    pub(crate) fn source(&self) -> &S {
+        &self.inner.source
+    }
+
+    /// The Redis key that holds the lock of `key`: the prefix, then `key`.
+    pub(crate) fn lock_key<'k>(&self, key: &'k str) -> Cow<'k, str> {
+        if self.inner.config.prefix.is_empty() {
+            Cow::Borrowed(key)
+        } else {
+            Cow::Owned(format!("{}{key}", self.inner.config.prefix))
+        }
+    }
+
+    /// The release channel: the prefix, then [`CHANNEL`].
+    pub(crate) fn channel(&self) -> &str {
+        &self.inner.channel
+    }
+
+    /// Whether the release subscription is in place now.
+    pub(crate) fn is_subscribed(&self) -> bool {
+        self.inner
+            .subscription
+            .as_ref()
+            .is_some_and(Subscription::is_subscribed)
+    }
+
+    /// The fields of `Debug` that every single-node backend shows: never
+    /// a URL or a client, whose `Debug` shows the password.
+    pub(crate) fn describe<'s, 'a, 'b>(
+        &self,
+        f: &'s mut fmt::DebugStruct<'a, 'b>,
+    ) -> &'s mut fmt::DebugStruct<'a, 'b> {
+        f.field(
+            "password",
+            &redact::secret(self.inner.source.has_password()),
+        )
+        .field("channel", &self.inner.channel)
+        .field("config", &self.inner.config)
+    }
+
+    /// Runs `work` within the command timeout.
+    fn bounded<'a, T: 'a>(
+        &'a self,
+        step: &'static str,
+        work: impl Future<Output = Result<T, BackendError>> + 'a,
+    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
+        self.bounded_for(step, self.inner.config.step_timeout, work)
+    }
+
+    /// Runs `work` within `limit`, and forgets the shared connections
+    /// after an error that may mean they are broken.
+    fn bounded_for<'a, T: 'a>(
+        &'a self,
+        step: &'static str,
+        limit: Duration,
+        work: impl Future<Output = Result<T, BackendError>> + 'a,
+    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
+        within(step, limit, work).map(move |answer| {
+            if let Err(error) = &answer {
+                self.forget_connection_after(error);
+            }
+            answer
+        })
+    }
+
+    /// The shared connection, taken from the source if there is none. A
+    /// failed checkout is [`Unavailable`](BackendErrorKind::Unavailable):
+    /// the step's request was not sent.
+    pub(crate) async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+        if let Some(conn) = lock_slot(&self.inner.shared).as_ref() {
+            return Ok(conn.clone());
+        }
+        // Boxed: making a connection is a large future, which every step's
+        // own future would carry (and copy) on every call otherwise.
+        Box::pin(self.connection_in(&self.inner.shared)).await
+    }
+
+    /// The connection kept in `slot`, made if there is none: taken from
+    /// the source (the pool, or the primary the Sentinels name now).
+    async fn connection_in(
+        &self,
+        slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
+    ) -> Result<MultiplexedConnection, BackendError> {
+        if let Some(conn) = lock_slot(slot).as_ref() {
+            return Ok(conn.clone());
+        }
+        let conn = self.inner.source.connection().await?;
+        *lock_slot(slot) = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Forgets the shared connections after an error that may mean they
+    /// are broken, so the next step takes a fresh one from the pool (or
+    /// asks the Sentinels again). `READONLY` counts: the server was demoted
+    /// to a replica, and still answers `PING`.
+    fn forget_connection_after(&self, error: &BackendError) {
+        if step_broke(error) {
+            *lock_slot(&self.inner.shared) = None;
+            *lock_slot(&self.inner.durable) = None;
+        }
+    }
+
+    /// The acquisition script, then `WAIT` on the same connection; when
+    /// too few replicas acknowledged, the release script, and an error.
+    async fn acquire_durably(
+        &self,
+        durability: crate::Durability,
+        keys: [&str; 2],
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<i64, BackendError> {
+        let limit = self.inner.config.step_timeout + durability.timeout;
+        self.bounded_for("acquisition", limit, async {
+            let mut conn = self.connection_in(&self.inner.durable).await?;
+            let acquire = ACQUIRE.call(
+                &keys,
+                &[
+                    owner.as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                ],
+            );
+            let answer: i64 = ACQUIRE.run(&mut conn, &acquire).await?;
+            if answer <= 0 {
+                return Ok(answer);
+            }
+            let acked: u32 = redis::cmd("WAIT")
+                .arg(durability.replicas)
+                .arg(ttl_ms(durability.timeout))
+                .query_async(&mut conn)
+                .await
+                .map_err(map_redis_error)?;
+            if acked >= durability.replicas {
+                return Ok(answer);
+            }
+            let release = RELEASE.call(
+                &keys,
+                &[
+                    owner.as_str(),
+                    &self.inner.channel,
+                    &self.inner.config.fence_idle_ms(),
+                ],
+            );
+            let released: i64 = RELEASE.run(&mut conn, &release).await?;
+            Err(BackendError::message(
+                BackendErrorKind::Request,
+                format!(
+                    "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
+                    durability.replicas,
+                    durability.timeout,
+                    if released == 1 { "the lock was released" } else { "the lock was gone already" },
+                ),
+            ))
+        })
+        .await
+    }
+
+    /// One call of `script` on the shared connection, within the step
+    /// timeout (see [`Lua::run`] for `NOSCRIPT`).
+    pub(crate) async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        step: &'static str,
+        script: &Lua,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<T, BackendError> {
+        let call = script.call(keys, args);
+        self.bounded(step, async {
+            let mut conn = self.connection().await?;
+            script.run(&mut conn, &call).await
+        })
+        .await
+    }
+}
+
+/// The two kinds of step that go out in batches under load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Acquisition,
+    Release,
+}
+
+impl Step {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Acquisition => "acquisition",
+            Self::Release => "release",
+        }
+    }
+}
+
+/// A step going out alone: counted on the wire until dropped (also when
+/// its caller is dropped first), then the next batch goes out. Not counted
+/// when batching is off.
+struct OnTheWire<'a, S: Source>(Option<(&'a SingleNode<S>, Step)>);
+
+impl<S: Source> Drop for OnTheWire<'_, S> {
+    fn drop(&mut self) {
+        if let Some((backend, step)) = self.0 {
+            if let Some(batch) = backend.batcher(step).finished() {
+                backend.send_batch(step, batch);
+            }
+        }
+    }
+}
+
+impl<S: Source> SingleNode<S> {
+    /// Whether a step goes out alone now (`None`: it waits to go out in a
+    /// batch).
+    fn alone(&self, step: Step) -> Option<OnTheWire<'_, S>> {
+        if !self.inner.config.batch_steps {
+            Some(OnTheWire(None))
+        } else if self.batcher(step).go_alone() {
+            Some(OnTheWire(Some((self, step))))
+        } else {
+            None
+        }
+    }
+
+    fn batcher(&self, step: Step) -> &Batcher {
+        match step {
+            Step::Acquisition => &self.inner.acquisitions,
+            Step::Release => &self.inner.releases,
+        }
+    }
+
+    /// Queues a step to go out with the others waiting (see
+    /// [`crate::batch`]), and gives its answer within the command timeout.
+    async fn queued(
+        &self,
+        step: Step,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Result<redis::Value, BackendError> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        if let Some(batch) = self.batcher(step).queue(Queued { keys, args, answer }) {
+            self.send_batch(step, batch);
+        }
+        self.bounded(step.name(), async {
+            answered.await.unwrap_or_else(|_| {
+                Err(BackendError::message(
+                    BackendErrorKind::Request,
+                    "the batch this step went out in was dropped before its answer (the runtime is shutting down)",
+                ))
+            })
+        })
+        .await
+    }
+
+    /// Sends `batch` (counted on the wire) as one script run, in a task of
+    /// its own, and hands each step its answer.
+    fn send_batch(&self, step: Step, batch: Vec<Queued>) {
+        let counted = BatchOnTheWire {
+            backend: self.clone(),
+            step,
+            batch,
+        };
+        spawn_or_drop(counted.send());
+    }
+}
+
+/// A batch on the wire. Dropped before its answer (its task cancelled, or
+/// no runtime to send it on), its steps get an error and it counts out.
+struct BatchOnTheWire<S: Source> {
+    backend: SingleNode<S>,
+    step: Step,
+    batch: Vec<Queued>,
+}
+
+impl<S: Source> BatchOnTheWire<S> {
+    async fn send(mut self) {
+        let backend = self.backend.clone();
+        let answer = {
+            let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 2);
+            let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 3 + 2);
+            let idle = backend.inner.config.fence_idle_ms();
+            if self.step == Step::Release {
+                args.push(&backend.inner.channel);
+                args.push(&idle);
+            }
+            for queued in &self.batch {
+                keys.extend(queued.keys.iter().map(String::as_str));
+                args.extend(queued.args.iter().map(String::as_str));
+            }
+            let script = match self.step {
+                Step::Acquisition => &ACQUIRE_BATCH,
+                Step::Release => &RELEASE_BATCH,
+            };
+            backend
+                .run_script::<Vec<redis::Value>>(self.step.name(), script, &keys, &args)
+                .await
+        };
+        let n = self.batch.len();
+        let answers: Vec<Result<redis::Value, BackendError>> = match answer {
+            Ok(values) if values.len() == n => values.into_iter().map(Ok).collect(),
+            Ok(values) => {
+                let error = BackendError::message(
+                    BackendErrorKind::Protocol,
+                    format!(
+                        "the {} batch script answered {} values for {n} steps",
+                        self.step.name(),
+                        values.len()
+                    ),
+                );
+                vec![Err(error); n]
+            }
+            Err(error) => vec![Err(error); n],
+        };
+        for (queued, answer) in std::mem::take(&mut self.batch).into_iter().zip(answers) {
+            let _ = queued.answer.send(answer);
+        }
+    }
+}
+
+impl<S: Source> Drop for BatchOnTheWire<S> {
+    fn drop(&mut self) {
+        fail_dropped(&mut self.batch);
+        if let Some(next) = self.backend.batcher(self.step).finished() {
+            self.backend.send_batch(self.step, next);
+        }
+    }
+}
+
+/// The error of an acquisition whose fencing companion holds no counter, as
+/// the one-key script gives it.
+fn corrupt_companion(fence: &str) -> BackendError {
+    map_redis_error(redis::RedisError::from((
+        redis::ErrorKind::ResponseError,
+        "the fencing companion is not a number below 2^53",
+        format!("ERR the fencing companion {fence} is not a number below 2^53"),
+    )))
+}
+
+fn protocol_error(step: &str, error: &redis::RedisError) -> BackendError {
+    BackendError::message(
+        BackendErrorKind::Protocol,
+        format!("the {step} batch script's answer: {error}"),
+    )
+}
+
+fn lock_slot(
+    slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
+) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<S: Source> SingleNode<S> {
+    /// The extensions of [`LockBackend::extend_many`] as one pipeline of
+    /// `EVALSHA` of the extension script: one round trip.
+    async fn extend_pipeline(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Result<Vec<ExtendOutcome>, BackendError> {
+        let mut pipe = redis::pipe();
+        for request in requests {
+            let lock_key = self.lock_key(request.lease.key());
+            EXTEND.add_call(
+                &mut pipe,
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    request.lease.owner().as_str(),
+                    &ttl_ms(request.ttl),
+                    &self.inner.config.fence_ttl_ms(request.ttl),
+                    &request.lease.fencing_token().to_string(),
+                ],
+            );
+        }
+        let answers: Vec<i64> = self
+            .bounded("extension", async {
+                let mut conn = self.connection().await?;
+                EXTEND.run(&mut conn, &pipe).await
+            })
+            .await?;
+        if answers.len() != requests.len() {
+            return Err(BackendError::message(
+                BackendErrorKind::Protocol,
+                format!("{} answers to {} extensions", answers.len(), requests.len()),
+            ));
+        }
+        answers.into_iter().map(extend_outcome).collect()
+    }
+
+    /// Checks that the pub/sub client hears releases published through the
+    /// pool: a probe published on the release channel, for a key nobody
+    /// locks, must reach the backend's own subscription. Needs only the
+    /// rights the lock steps need (`PUBLISH` and `SUBSCRIBE` on the release
+    /// channel), not `INFO` \[D3\]. `Err` (not cached): the check itself
+    /// failed; `Ok(Err)` (cached): the probe was not heard, and
+    /// notifications stay off.
+    async fn check_same_server(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Result<(), BackendError>, BackendError> {
+        let probe = format!("withlock-probe:{:032x}", rand::random::<u128>());
+        let mut watch = subscription.watch(&probe).await?;
+        let lock_key = self.lock_key(&probe).into_owned();
+        let _receivers: i64 = self
+            .bounded("probing the release channel", async {
+                let mut conn = self.connection().await?;
+                redis::cmd("PUBLISH")
+                    .arg(&self.inner.channel)
+                    .arg(&lock_key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(map_redis_error)
+            })
+            .await?;
+        let heard = tokio::time::timeout(self.inner.config.step_timeout, watch.released())
+            .await
+            .is_ok();
+        if heard {
+            return Ok(Ok(()));
+        }
+        tracing::error!(
+            channel = %self.inner.channel,
+            "the pub/sub client given to RedisBackend does not hear releases published through the pool (it reaches another Redis server): release notifications are off, waiters poll every retry_delay"
+        );
+        Ok(Err(BackendError::message(
+            BackendErrorKind::Protocol,
+            format!(
+                "the pub/sub client does not hear a probe published through the pool on {:?} within {:?}: it reaches another Redis server; release notifications are off",
+                self.inner.channel, self.inner.config.step_timeout
+            ),
+        )))
+    }
+}
+
+/// The lock steps, as [`single_node_lock_backend!`] hands them to
+/// [`LockBackend`].
+impl<S: Source> SingleNode<S> {
+    /// The step of [`LockBackend::capabilities`].
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+            .with_name("redis")
+            .with_release_notifications(self.inner.subscription.is_some())
+            .with_max_key_len(MAX_KEY_LEN)
+            .with_max_extend_batch(self.inner.config.max_extend_batch)
+    }
+
+    /// The step of [`LockBackend::try_acquire`].
+    pub(crate) async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let lock_key = self.lock_key(key);
+        let fence = fence_key(&lock_key);
+        let answer = match self.inner.config.durability {
+            // Boxed, so that the common case's future stays small.
+            Some(durability) => {
+                Box::pin(self.acquire_durably(durability, [&lock_key, &fence], owner, ttl)).await?
+            }
+            None => match self.alone(Step::Acquisition) {
+                Some(_counted) => {
+                    self.run_script(
+                        "acquisition",
+                        &ACQUIRE,
+                        &[&lock_key, &fence],
+                        &[
+                            owner.as_str(),
+                            &ttl_ms(ttl),
+                            &self.inner.config.fence_ttl_ms(ttl),
+                        ],
+                    )
+                    .await?
+                }
+                None => {
+                    let answer = self
+                        .queued(
+                            Step::Acquisition,
+                            vec![lock_key.into_owned(), fence.clone()],
+                            vec![
+                                owner.as_str().to_owned(),
+                                ttl_ms(ttl),
+                                self.inner.config.fence_ttl_ms(ttl),
+                            ],
+                        )
+                        .await?;
+                    match i64::from_redis_value(&answer) {
+                        Ok(-1) => return Err(corrupt_companion(&fence)),
+                        Ok(answer) => answer,
+                        Err(e) => return Err(protocol_error("acquisition", &e)),
+                    }
+                }
+            },
+        };
+        acquire_outcome(answer)
+    }
+
+    /// The step of [`LockBackend::extend`].
+    pub(crate) async fn extend(
+        &self,
+        lease: &Lease,
+        ttl: Duration,
+    ) -> Result<ExtendOutcome, BackendError> {
+        let lock_key = self.lock_key(lease.key());
+        let answer = self
+            .run_script(
+                "extension",
+                &EXTEND,
+                &[&lock_key, &fence_key(&lock_key)],
+                &[
+                    lease.owner().as_str(),
+                    &ttl_ms(ttl),
+                    &self.inner.config.fence_ttl_ms(ttl),
+                    &lease.fencing_token().to_string(),
+                ],
+            )
+            .await?;
+        extend_outcome(answer)
+    }
+
+    /// The step of [`LockBackend::extend_many`].
+    pub(crate) async fn extend_many(
+        &self,
+        requests: &[ExtendRequest],
+    ) -> Vec<Result<ExtendOutcome, BackendError>> {
+        if requests.is_empty() {
+            return Vec::new();
+        }
+        batch_results(requests.len(), self.extend_pipeline(requests).await)
+    }
+
+    /// The step of [`LockBackend::failure_domain`].
+    pub(crate) fn failure_domain(&self, _key: &str) -> u64 {
+        0
+    }
+
+    /// The step of [`LockBackend::release`].
+    pub(crate) async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+        let lock_key = self.lock_key(lease.key());
+        let fence = fence_key(&lock_key);
+        let answer = if let Some(_counted) = self.alone(Step::Release) {
+            self.run_script(
+                "release",
+                &RELEASE,
+                &[&lock_key, &fence],
+                &[
+                    lease.owner().as_str(),
+                    &self.inner.channel,
+                    &self.inner.config.fence_idle_ms(),
+                ],
+            )
+            .await?
+        } else {
+            let answer = self
+                .queued(
+                    Step::Release,
+                    vec![lock_key.into_owned(), fence],
+                    vec![lease.owner().as_str().to_owned()],
+                )
+                .await?;
+            i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
+        };
+        release_outcome(answer)
+    }
+
+    /// The step of [`LockBackend::hold`].
+    pub(crate) async fn hold(
+        &self,
+        lease: &Lease,
+        hold: Hold,
+    ) -> Result<ExtendOutcome, BackendError> {
+        self.extend(lease, hold.from_now.max(Duration::from_millis(1)))
+            .await
+    }
+
+    /// The step of [`LockBackend::watch_release`].
+    pub(crate) async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+        let Some(subscription) = &self.inner.subscription else {
+            return Ok(ReleaseWatch::never());
+        };
+        if self.inner.separate_client.is_some() {
+            self.inner
+                .same_server
+                .get_or_try_init(|| self.check_same_server(subscription))
+                .await?
+                .clone()?;
+        }
+        subscription.watch(key).await
+    }
+}
+
+/// `LockBackend` for a type whose field `$field` is a [`SingleNode`]: the
+/// trait's calls go to its steps directly (one boxed future per call, as
+/// for any `async_trait` method, not two).
+macro_rules! single_node_lock_backend {
+    ($ty:ty => $field:ident) => {
+        #[lock_core::async_trait]
+        impl lock_core::LockBackend for $ty {
+            fn capabilities(&self) -> lock_core::Capabilities {
+                self.$field.capabilities()
+            }
+
+            /// `SET key token NX PX ttl`, and if it took the key, the fencing token
+            /// `max(companion + 1, server clock in µs)` stored in the companion, in
+            /// one script: tokens keep increasing when the companion is lost.
+            /// Fails with kind [`Unavailable`](lock_core::BackendErrorKind::Unavailable) when
+            /// no connection could be had: nothing was sent.
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may have taken the key; a release with the same owner
+            /// token frees it.
+            async fn try_acquire(
+                &self,
+                key: &str,
+                owner: &lock_core::OwnerToken,
+                ttl: std::time::Duration,
+            ) -> Result<lock_core::AcquireOutcome, lock_core::BackendError> {
+                self.$field.try_acquire(key, owner, ttl).await
+            }
+
+            /// `PEXPIRE` if the key still holds the owner token, and of its fencing
+            /// companion to the ttl plus [`fence_idle`](crate::RedisConfig::fence_idle)
+            /// (put back if it was lost), in one script.
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may or may not have extended the key.
+            async fn extend(
+                &self,
+                lease: &lock_core::Lease,
+                ttl: std::time::Duration,
+            ) -> Result<lock_core::ExtendOutcome, lock_core::BackendError> {
+                self.$field.extend(lease, ttl).await
+            }
+
+            /// One pipeline of `EVALSHA` of the extension script, one per lease: one
+            /// round trip. After `NOSCRIPT` (a restarted or flushed server) the
+            /// script is loaded and the whole pipeline sent again, which is safe
+            /// since an extension can be repeated.
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may have extended some of the leases.
+            async fn extend_many(
+                &self,
+                requests: &[lock_core::ExtendRequest],
+            ) -> Vec<Result<lock_core::ExtendOutcome, lock_core::BackendError>> {
+                self.$field.extend_many(requests).await
+            }
+
+            /// One server.
+            fn failure_domain(&self, key: &str) -> u64 {
+                self.$field.failure_domain(key)
+            }
+
+            /// `DEL` if the key still holds the owner token, then the fencing
+            /// companion set to expire in [`fence_idle`](crate::RedisConfig::fence_idle)
+            /// and `PUBLISH` of the key on the release channel, in one script.
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may or may not have released the key; calling again
+            /// is safe.
+            async fn release(
+                &self,
+                lease: &lock_core::Lease,
+            ) -> Result<lock_core::ReleaseOutcome, lock_core::BackendError> {
+                self.$field.release(lease).await
+            }
+
+            /// The extension script with the time left of the minimum hold \[H7\]
+            /// (Redis keeps no record of when a key was set). At least 1 ms, as
+            /// `PEXPIRE 0` would delete the key.
+            async fn hold(
+                &self,
+                lease: &lock_core::Lease,
+                hold: lock_core::Hold,
+            ) -> Result<lock_core::ExtendOutcome, lock_core::BackendError> {
+                self.$field.hold(lease, hold).await
+            }
+
+            /// A watch on `key`, returned once the backend's one subscription is
+            /// confirmed (the first call starts it). Fails at once while the
+            /// subscription is down, and after the command timeout if it cannot be
+            /// made; the driver then waits on its retry timer.
+            ///
+            /// # Cancel safety
+            ///
+            /// Cancel safe: the subscription belongs to the backend, not the call.
+            async fn watch_release(
+                &self,
+                key: &str,
+            ) -> Result<lock_core::ReleaseWatch, lock_core::BackendError> {
+                self.$field.watch_release(key).await
+            }
+        }
+    };
+}
+pub(crate) use single_node_lock_backend;
