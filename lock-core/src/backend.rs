@@ -1,6 +1,5 @@
 //! The steps a storage system implements to serve as a lock backend.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -84,30 +83,9 @@ const HEX_PAIRS: [[u8; 2]; 256] = {
     pairs
 };
 
-/// 128 random bits for an owner token, from the thread's generator
-/// (`rand::rng()`), drawn [`POOLED`] tokens' worth at a time: one call of
-/// its block function instead of one call, with its set-up, per token.
+/// 128 random bits for an owner token, from the thread's generator.
 fn random_bits() -> u128 {
-    const POOLED: usize = 16;
-    struct Pool {
-        next: usize,
-        bits: [u128; POOLED],
-    }
-    thread_local! {
-        static POOL: RefCell<Pool> = const {
-            RefCell::new(Pool { next: POOLED, bits: [0; POOLED] })
-        };
-    }
-    POOL.with_borrow_mut(|pool| {
-        if pool.next == POOLED {
-            rand::Rng::fill(&mut rand::rng(), &mut pool.bits[..]);
-            pool.next = 0;
-        }
-        // Each drawn value is handed out once: the slot is cleared.
-        let bits = std::mem::take(&mut pool.bits[pool.next]);
-        pool.next += 1;
-        bits
-    })
+    rand::random()
 }
 
 impl OwnerToken {
@@ -726,7 +704,7 @@ mod tests {
     }
 
     #[test]
-    fn tokens_drawn_across_many_pool_refills_and_threads_are_all_distinct() {
+    fn tokens_drawn_on_many_threads_and_redrawn_are_all_distinct() {
         let draw = || {
             let node = Arc::from("n");
             let mut redrawn = OwnerToken::draw(&node);
