@@ -1,6 +1,5 @@
 //! The steps a storage system implements to serve as a lock backend.
 
-use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -84,30 +83,9 @@ const HEX_PAIRS: [[u8; 2]; 256] = {
     pairs
 };
 
-/// 128 random bits for an owner token, from the thread's generator
-/// (`rand::rng()`), drawn [`POOLED`] tokens' worth at a time: one call of
-/// its block function instead of one call, with its set-up, per token.
+/// 128 random bits for an owner token, from the thread's generator.
 fn random_bits() -> u128 {
-    const POOLED: usize = 16;
-    struct Pool {
-        next: usize,
-        bits: [u128; POOLED],
-    }
-    thread_local! {
-        static POOL: RefCell<Pool> = const {
-            RefCell::new(Pool { next: POOLED, bits: [0; POOLED] })
-        };
-    }
-    POOL.with_borrow_mut(|pool| {
-        if pool.next == POOLED {
-            rand::Rng::fill(&mut rand::rng(), &mut pool.bits[..]);
-            pool.next = 0;
-        }
-        // Each drawn value is handed out once: the slot is cleared.
-        let bits = std::mem::take(&mut pool.bits[pool.next]);
-        pool.next += 1;
-        bits
-    })
+    rand::random()
 }
 
 impl OwnerToken {
@@ -547,13 +525,18 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// `extend(lease, hold.from_now)`.
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError>;
 
-    /// [`try_acquire`](Self::try_acquire) answered at once, for a backend
-    /// that keeps its locks in this process and never waits: `Some(answer)`
-    /// spares the driver a boxed future, and a dropped caller has nothing in
-    /// flight. `now` is the driver's clock when it made the attempt; the
-    /// lock expires `ttl` after it. The answer must be the one
-    /// `try_acquire` would give at `now`. The default, `None`, makes the
-    /// driver call `try_acquire`.
+    /// An optional synchronous fast path of
+    /// [`try_acquire`](Self::try_acquire), for a backend that keeps its
+    /// locks in this process: `Some(answer)` spares the driver a boxed
+    /// future, and a dropped caller has nothing in flight. `now` is the
+    /// driver's clock when it made the attempt; the lock expires `ttl`
+    /// after it. The answer must be the one `try_acquire` would give at
+    /// `now`. The default, `None`, makes the driver call `try_acquire`.
+    ///
+    /// It runs on the caller's task and must not block or wait (no
+    /// network, no contended lock held for long): a backend that may
+    /// wait leaves it at the default. The driver holds none of its own
+    /// locks while it calls it.
     fn try_acquire_now(
         &self,
         key: &str,
@@ -565,14 +548,12 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
         None
     }
 
-    /// [`release`](Self::release) answered at once, as
-    /// [`try_acquire_now`](Self::try_acquire_now): `now` is the driver's
-    /// clock when it let go of the lock. The default, `None`, makes the
-    /// driver call `release`.
-    ///
-    /// The driver calls it with its record of the locker's locks locked, so
-    /// that the lock leaves the record and the store as one step: it must
-    /// not call back into the [`Locker`](crate::Locker).
+    /// An optional synchronous fast path of [`release`](Self::release), as
+    /// [`try_acquire_now`](Self::try_acquire_now) is of `try_acquire`, with
+    /// the same rules: `now` is the driver's clock when it let go of the
+    /// lock, it must not block, and the driver holds none of its own locks
+    /// while it calls it. The default, `None`, makes the driver call
+    /// `release`.
     fn release_now(
         &self,
         lease: &Lease,
@@ -726,7 +707,7 @@ mod tests {
     }
 
     #[test]
-    fn tokens_drawn_across_many_pool_refills_and_threads_are_all_distinct() {
+    fn tokens_drawn_on_many_threads_and_redrawn_are_all_distinct() {
         let draw = || {
             let node = Arc::from("n");
             let mut redrawn = OwnerToken::draw(&node);

@@ -73,27 +73,24 @@ impl Table {
     }
 }
 
-/// A gate's key as a pass or a place in line knows it: its hash, and the
-/// address of the gate's shared string. A gate is kept while a pass or a
-/// place for it exists, so no other gate's string can be at that address
-/// meanwhile; the caller holds the string itself (one count moved per
-/// call, not two).
-#[derive(Clone, Copy)]
+/// A gate's key as a pass or a place in line knows it: its hash and its
+/// shared string.
+#[derive(Clone)]
 pub(crate) struct GateKey {
     hash: u64,
-    at: usize,
+    key: Arc<str>,
 }
 
 impl GateKey {
     fn of(hash: u64, key: &Arc<str>) -> Self {
         Self {
             hash,
-            at: Arc::as_ptr(key).cast::<u8>().addr(),
+            key: Arc::clone(key),
         }
     }
 
-    fn is(&self, key: &Arc<str>) -> bool {
-        Arc::as_ptr(key).cast::<u8>().addr() == self.at
+    fn is(&self, key: &str) -> bool {
+        *self.key == *key
     }
 }
 
@@ -184,7 +181,7 @@ impl GatePass<'_> {
     /// dropped, if nobody else holds it by then (a clone kept by a
     /// callback's context, say, keeps it from being used again).
     pub(crate) fn keep_spare(&mut self, held: Arc<HeldLock>) {
-        if Arc::strong_count(&held) == 1 && self.key.is(held.lease.key_arc()) {
+        if Arc::strong_count(&held) == 1 && self.key.is(held.lease.key()) {
             self.spare = Some(held);
         }
     }
@@ -220,7 +217,7 @@ impl<'a> GateWait<'a> {
         }
         GatePass {
             gates: self.gates,
-            key: self.key,
+            key: self.key.clone(),
             spare: None,
         }
     }

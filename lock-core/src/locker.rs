@@ -149,7 +149,7 @@ impl Locker {
         Fut: Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
-        self.run(key, &DEFAULT_CONFIG, callback, Detach).await
+        self.run(key, &LockConfig::DEFAULT, callback, Detach).await
     }
 
     /// Runs `callback` while holding the lock on `key`, acquired and held as
@@ -252,11 +252,7 @@ impl Locker {
                 };
             }
         }
-        // The default config is valid (a unit test says so): no need to
-        // check it at every call.
-        if !std::ptr::eq(config, &DEFAULT_CONFIG) {
-            config.validate()?;
-        }
+        config.validate()?;
         if self.inner.shutdown.is_started() {
             return never().await;
         }
@@ -351,9 +347,6 @@ impl fmt::Debug for Locker {
             .finish()
     }
 }
-
-/// The config of [`Locker::with_lock`], at one address.
-static DEFAULT_CONFIG: LockConfig = LockConfig::DEFAULT;
 
 fn lost(key: &str, cause: LossCause) -> LockError {
     LockError::Lost {

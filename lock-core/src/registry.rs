@@ -391,25 +391,17 @@ impl Registry {
         now: Instant,
     ) -> Option<Result<Result<ReleaseOutcome, BackendError>, (OwedRelease, Option<BackendError>)>>
     {
-        let mut s = self.lock();
-        let held = s.remove(id)?;
-        // Under the registry's lock (the backend answers at once, and
-        // calls nothing of the locker's): the lock leaves the registry and
-        // the store in one step, and shutdown never sees it gone from both
-        // the held locks and the owed releases while its release runs.
-        let answer = self.backend.release_now(&held.lease, now);
-        let settled = matches!(answer, Some(Ok(_)));
-        if !settled {
-            s.owed += 1;
-        }
-        drop(s);
-        self.changed.notify_waiters_after_locked_change();
-        match answer {
+        // Owed from the moment it leaves the registry, so that shutdown
+        // waits for it; the backend is called with no lock held.
+        let held = self.take_owed(id)?;
+        match self.backend.release_now(&held.lease, now) {
             Some(Ok(outcome)) => {
+                self.release_settled(true);
                 tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
                 Some(Ok(Ok(outcome)))
             }
             answer => {
+                self.changed.notify_waiters_after_locked_change();
                 let owed = OwedRelease::new(Arc::clone(self), held.lease.clone());
                 Some(Err((owed, answer.and_then(Result::err))))
             }

@@ -261,8 +261,8 @@ impl LockBackend for MemoryBackend {
         ))
     }
 
-    // Every step answers at once: the driver takes these, with its own
-    // clock reading, and needs no boxed future.
+    // Every step answers at once, without waiting: the driver takes these
+    // fast paths, with its own clock reading, and needs no boxed future.
     fn try_acquire_now(
         &self,
         key: &str,
@@ -480,5 +480,108 @@ mod tests {
         assert_eq!(kept.fencing_token(), kept_token);
         assert!(!kept.is_held() && !kept.is_lost());
         assert_eq!(backend.held_keys(), 0);
+    }
+
+    /// A memory backend whose `release_now` calls back into the locker
+    /// that uses it, and records what it saw there.
+    #[derive(Debug)]
+    struct CallsBack {
+        backend: MemoryBackend,
+        locker: std::sync::OnceLock<Locker>,
+        held_seen: std::sync::Mutex<Vec<usize>>,
+    }
+
+    #[async_trait]
+    impl LockBackend for CallsBack {
+        fn capabilities(&self) -> Capabilities {
+            self.backend.capabilities()
+        }
+        async fn try_acquire(
+            &self,
+            key: &str,
+            owner: &OwnerToken,
+            ttl: Duration,
+        ) -> Result<AcquireOutcome, BackendError> {
+            self.backend.try_acquire(key, owner, ttl).await
+        }
+        async fn extend(
+            &self,
+            lease: &Lease,
+            ttl: Duration,
+        ) -> Result<ExtendOutcome, BackendError> {
+            self.backend.extend(lease, ttl).await
+        }
+        async fn extend_many(
+            &self,
+            requests: &[ExtendRequest],
+        ) -> Vec<Result<ExtendOutcome, BackendError>> {
+            self.backend.extend_many(requests).await
+        }
+        fn failure_domain(&self, key: &str) -> u64 {
+            self.backend.failure_domain(key)
+        }
+        async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+            self.backend.release(lease).await
+        }
+        async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
+            self.backend.hold(lease, hold).await
+        }
+        fn try_acquire_now(
+            &self,
+            key: &str,
+            owner: &OwnerToken,
+            ttl: Duration,
+            now: Instant,
+        ) -> Option<Result<AcquireOutcome, BackendError>> {
+            self.backend.try_acquire_now(key, owner, ttl, now)
+        }
+        fn release_now(
+            &self,
+            lease: &Lease,
+            now: Instant,
+        ) -> Option<Result<ReleaseOutcome, BackendError>> {
+            if let Some(locker) = self.locker.get() {
+                // Takes the locker's record of its locks.
+                let held = locker.held();
+                self.held_seen.lock().unwrap().push(held);
+            }
+            self.backend.release_now(lease, now)
+        }
+        async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
+            self.backend.watch_release(key).await
+        }
+    }
+
+    #[test]
+    fn the_fast_paths_run_with_none_of_the_lockers_locks_held() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        // On a thread of its own: a driver that called `release_now` with
+        // its registry locked would deadlock there.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let backend = Arc::new(CallsBack {
+                backend: MemoryBackend::new(),
+                locker: std::sync::OnceLock::new(),
+                held_seen: std::sync::Mutex::default(),
+            });
+            let locker = Locker::new(Arc::clone(&backend));
+            backend.locker.set(locker.clone()).unwrap();
+            runtime.block_on(async {
+                for _ in 0..2 {
+                    locker.with_lock("k", |_| async {}).await.unwrap();
+                }
+            });
+            let seen = backend.held_seen.lock().unwrap().clone();
+            done_tx.send((seen, backend.backend.held_keys())).unwrap();
+        });
+        let (seen, held_keys) = done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the release's fast path could not call back into the locker");
+        // The lock had left the locker's record when its release was sent.
+        assert_eq!(seen, [0, 0]);
+        assert_eq!(held_keys, 0);
     }
 }
