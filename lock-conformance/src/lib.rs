@@ -3,6 +3,7 @@
 pub mod cases;
 mod counting;
 mod faults;
+mod min_ttl;
 mod support;
 
 use std::future::Future;
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 pub use counting::CountingBackend;
 pub use faults::{is_injected, FaultInjector, InjectedFault, Step};
+pub use min_ttl::{with_min_ttl, WithMinTtl};
 pub use support::{
     assert_free, assert_freed_soon, assert_held, assert_lost_as, node, once, patient, scaled,
     ttl_scale, within, without_admin, AdminStore, BackendFactory, Namespace, WithoutAdmin, RETRY,
