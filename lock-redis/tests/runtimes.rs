@@ -212,23 +212,51 @@ fn cluster_steps_and_notifications_go_on_after_the_opening_runtime_is_dropped() 
     after_a_is_dropped(&RedisClusterBackend::clone(&scratch), &keys);
 }
 
-/// Both cases on a Sentinel group of the test's own (a primary without
-/// replicas and three Sentinels): the backend's connection to the primary,
-/// its subscription, and the connections to the Sentinels that the
-/// `redis` crate keeps between look-ups are all opened on A.
-#[test]
-fn sentinel_steps_and_notifications_go_on_while_the_opening_runtime_is_blocked_or_dropped() {
-    let group = SentinelGroup::start(0).expect("a Sentinel group");
-    let prefix = format!("withlock-redis-test:{:016x}:", rand::random::<u64>());
-    let sentinel = || {
-        RedisSentinelBackend::from_urls_with(
-            MASTER_NAME,
-            group.sentinel_urls(),
-            config().prefix(prefix.as_str()),
-        )
-        .expect("a Sentinel backend")
-    };
+/// A Sentinel group of the test's own (a primary without replicas and
+/// three Sentinels), and a backend on it: the backend's connection to the
+/// primary, its subscription, and the connections to the Sentinels that
+/// the `redis` crate keeps between look-ups are all opened on A.
+fn sentinel(group: &SentinelGroup) -> RedisSentinelBackend {
     // The group is the test's own: its keys go with it.
-    while_a_is_blocked(&sentinel(), &["blocked".to_owned()]);
-    after_a_is_dropped(&sentinel(), &["dropped".to_owned()]);
+    RedisSentinelBackend::from_urls_with(MASTER_NAME, group.sentinel_urls(), config())
+        .expect("a Sentinel backend")
+}
+
+#[test]
+fn sentinel_steps_and_notifications_go_on_while_the_opening_runtime_is_blocked() {
+    let group = SentinelGroup::start(0).expect("a Sentinel group");
+    while_a_is_blocked(&sentinel(&group), &["shared".to_owned()]);
+}
+
+#[test]
+fn sentinel_steps_and_notifications_go_on_after_the_opening_runtime_is_dropped() {
+    let group = SentinelGroup::start(0).expect("a Sentinel group");
+    after_a_is_dropped(&sentinel(&group), &["shared".to_owned()]);
+}
+
+/// Runtime A only watches (which starts the release subscription there)
+/// and blocks; B's steps open their own connections, and B's release must
+/// still reach B's watch.
+fn subscribed_on_a_then_blocked<B: LockBackend + Clone>(backend: &B, keys: &[String]) {
+    let on_a = (backend.clone(), keys[0].clone());
+    let blocked = BlockedRuntime::after(async move {
+        on_a.0
+            .watch_release(&on_a.1)
+            .await
+            .unwrap_or_else(|e| panic!("A: watching: {e}"));
+    });
+    on_runtime_b(cycle_each(backend, keys, "B"));
+    drop(blocked);
+}
+
+#[test]
+fn single_node_notifications_reach_b_while_the_runtime_that_subscribed_is_blocked() {
+    let (scratch, keys) = single_node();
+    subscribed_on_a_then_blocked(&RedisBackend::clone(&scratch), &keys);
+}
+
+#[test]
+fn cluster_notifications_reach_b_while_the_runtime_that_subscribed_is_blocked() {
+    let (scratch, keys) = cluster();
+    subscribed_on_a_then_blocked(&RedisClusterBackend::clone(&scratch), &keys);
 }
