@@ -43,6 +43,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::plumbing::connection::{is_broken, open};
+use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::scripts::Lua;
 
@@ -205,6 +206,8 @@ struct Shared {
     refreshing: AtomicBool,
     /// Another read was asked for while one ran.
     again: AtomicBool,
+    /// Where the node connections are driven and the slot map is read.
+    driver: Driver,
 }
 
 impl ClusterNodes {
@@ -222,6 +225,7 @@ impl ClusterNodes {
                 generation: AtomicU64::new(0),
                 refreshing: AtomicBool::new(false),
                 again: AtomicBool::new(false),
+                driver: Driver::default(),
             }),
         })
     }
@@ -240,6 +244,12 @@ impl ClusterNodes {
     /// at the node's address.
     pub(crate) fn info(&self, node: &Node) -> ConnectionInfo {
         self.inner.info(node)
+    }
+
+    /// The runtime that drives the node connections (and the
+    /// subscription's).
+    pub(crate) fn driver(&self) -> &Driver {
+        &self.inner.driver
     }
 
     /// Whether some node connection is up.
@@ -283,12 +293,10 @@ impl ClusterNodes {
         if self.inner.refreshing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.inner.refreshing.store(false, Ordering::Release);
-            return;
-        };
         let inner = Arc::downgrade(&self.inner);
-        runtime.spawn(async move {
+        // On the backend's own runtime: a step that waits for the map
+        // must not wait for whichever runtime asked for the read first.
+        self.inner.driver.spawn(async move {
             loop {
                 let Some(shared) = inner.upgrade() else {
                     return;
@@ -490,13 +498,17 @@ impl Shared {
         if let Some(current) = slot.current() {
             return Ok(current);
         }
-        let conn = open(
-            "connecting",
-            self.info(node),
-            self.timeout,
-            AsyncConnectionConfig::new(),
-        )
-        .await?;
+        // Made on the backend's runtime, which then drives it, whichever
+        // runtime the step that needed it runs on.
+        let conn = self
+            .driver
+            .making(open(
+                "connecting",
+                self.info(node),
+                self.timeout,
+                AsyncConnectionConfig::new(),
+            ))
+            .await?;
         let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
         *slot.lock() = Some((generation, conn.clone()));
         Ok((generation, conn))

@@ -237,11 +237,12 @@ impl ShardedSubscription {
     }
 
     fn start_task(&self) {
-        self.task.start(|(shared, events)| {
-            (async move { run(&shared, events).await }, || {
-                tracing::debug!("sharded release subscription ended");
-            })
-        });
+        self.task
+            .start(self.shared.nodes.driver(), |(shared, events)| {
+                (async move { run(&shared, events).await }, || {
+                    tracing::debug!("sharded release subscription ended");
+                })
+            });
     }
 }
 

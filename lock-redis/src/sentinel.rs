@@ -15,6 +15,7 @@ use crate::backend::RedisBackend;
 use crate::config::{
     connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
 };
+use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
 use crate::single_node::{single_node_lock_backend, SingleNode, Source};
@@ -241,6 +242,9 @@ impl fmt::Debug for SentinelConfig {
 pub(crate) struct SentinelSource {
     config: SentinelConfig,
     client: tokio::sync::Mutex<SentinelClient>,
+    /// Where the client's connections to the Sentinels (which it keeps
+    /// between look-ups) are made and driven.
+    driver: Driver,
 }
 
 impl SentinelSource {
@@ -249,6 +253,7 @@ impl SentinelSource {
         Ok(Self {
             config,
             client: tokio::sync::Mutex::new(client),
+            driver: Driver::default(),
         })
     }
 
@@ -258,6 +263,10 @@ impl SentinelSource {
     /// was sent to the primary; refused credentials and certificates are
     /// [`Setup`](BackendErrorKind::Setup), and say whose.
     pub(crate) async fn master(&self) -> Result<redis::Client, BackendError> {
+        self.driver.making(self.ask_master()).await
+    }
+
+    async fn ask_master(&self) -> Result<redis::Client, BackendError> {
         let mut client = self.client.lock().await;
         match client.async_get_client().await {
             Ok(master) => Ok(master),

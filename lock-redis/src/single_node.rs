@@ -25,6 +25,7 @@ use crate::backend::CHANNEL;
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::step_broke;
+use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
@@ -93,6 +94,8 @@ struct Inner<S> {
     /// together.
     acquisitions: Batcher,
     releases: Batcher,
+    /// Where the connections taken from the source are made and driven.
+    driver: Driver,
 }
 
 impl<S: Source> SingleNode<S> {
@@ -122,6 +125,7 @@ impl<S: Source> SingleNode<S> {
                 same_server: tokio::sync::OnceCell::new(),
                 acquisitions: Batcher::default(),
                 releases: Batcher::default(),
+                driver: Driver::default(),
             }),
         }
     }
@@ -256,7 +260,14 @@ impl<S: Source> SingleNode<S> {
         if let Some(conn) = lock_slot(slot).as_ref() {
             return Ok(conn.clone());
         }
-        let conn = self.inner.source.connection().await?;
+        // Made on the backend's runtime, which then drives it (a pool
+        // makes its connections where it is asked for one), whichever
+        // runtime this step runs on.
+        let conn = self
+            .inner
+            .driver
+            .making(self.inner.source.connection())
+            .await?;
         *lock_slot(slot) = Some(conn.clone());
         Ok(conn)
     }

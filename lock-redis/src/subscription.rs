@@ -14,6 +14,7 @@ use futures_util::StreamExt;
 use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
 use tokio::sync::watch;
 
+use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::task::{deliver, ticker, OnFirstUse, FIRST_RECONNECT_DELAY};
 use crate::plumbing::timeout::within;
@@ -64,6 +65,8 @@ struct Shared {
 
 pub(crate) struct Subscription {
     shared: Arc<Shared>,
+    /// Where the task runs, and so where its connection is driven.
+    driver: Driver,
     /// Started by the first watch; ends with the backend.
     task: OnFirstUse<Arc<Shared>>,
 }
@@ -89,6 +92,7 @@ impl Subscription {
         Self {
             task: OnFirstUse::new(Arc::clone(&shared)),
             shared,
+            driver: Driver::default(),
         }
     }
 
@@ -126,7 +130,7 @@ impl Subscription {
     }
 
     fn start_task(&self) {
-        self.task.start(|shared| {
+        self.task.start(&self.driver, |shared| {
             let ended = Arc::clone(&shared);
             (async move { run(&shared).await }, move || {
                 tracing::debug!(channel = %ended.channel, "release subscription ended");

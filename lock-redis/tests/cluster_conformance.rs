@@ -1,38 +1,30 @@
 //! The whole conformance suite against a local Redis Cluster (3 masters, 3
 //! replicas) started once for this test binary. Each case's backend lives
 //! in a random key namespace, deleted on every master with the backend.
-
 //!
-//! The backend opens its connection to a master at the first step there,
-//! and a connection is driven by the runtime that opened it. Cases that
-//! stall one node's runtime on purpose (`o6_stalled_holder_is_told_lost`)
-//! would then stall every node sharing that connection until a step
-//! timeout drops it, so each case's backend first lists its (empty)
-//! namespace, which opens a connection to every master on the case's own
-//! runtime, as a long-running service's backend has.
+//! Each case's backend opens its connections at its first step on each
+//! master; the backend drives them on a runtime of its own, so a case that
+//! stalls one node's runtime on purpose (`o6_stalled_holder_is_told_lost`)
+//! stalls no other node's steps (tests/runtimes.rs).
 
-use lock_core::LockAdmin;
 use lock_redis::testing::{shared_cluster, ScratchClusterBackend};
 use lock_redis::RedisConfig;
 
-async fn warm(config: RedisConfig) -> ScratchClusterBackend {
-    let backend = ScratchClusterBackend::new(&shared_cluster().urls(), config);
-    let listed = backend.list_locks("").await.expect("every master answers");
-    assert!(listed.is_empty(), "a fresh namespace: {listed:?}");
-    backend
+fn backend(config: RedisConfig) -> ScratchClusterBackend {
+    ScratchClusterBackend::new(&shared_cluster().urls(), config)
 }
 
 mod with_notifications {
     use super::*;
 
-    lock_conformance::conformance_tests!(|| warm(RedisConfig::default()));
+    lock_conformance::conformance_tests!(|| async { backend(RedisConfig::default()) });
 }
 
 /// The driver's fallback: waiters poll on their retry timer.
 mod without_notifications {
     use super::*;
 
-    lock_conformance::conformance_tests!(|| warm(
-        RedisConfig::default().release_notifications(false)
-    ));
+    lock_conformance::conformance_tests!(|| async {
+        backend(RedisConfig::default().release_notifications(false))
+    });
 }

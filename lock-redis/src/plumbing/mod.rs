@@ -11,12 +11,15 @@
 //! - [`timeout`]: the step timeout;
 //! - [`connection`]: the check of whether an error may mean its connection
 //!   is broken, and the connections the Cluster backend opens itself;
+//! - [`driver`]: the runtime of the crate's own that drives every
+//!   connection and background task, whichever runtime a step runs on;
 //! - [`redact`]: what `Debug` shows of a password;
 //! - [`task`]: the background task a release subscription runs, started by
 //!   the first watch and ended with the backend, and the hand-off of a
 //!   released key to the waiters.
 
 pub(crate) mod connection;
+pub(crate) mod driver;
 pub(crate) mod errors;
 pub(crate) mod redact;
 pub(crate) mod scripts;

@@ -18,6 +18,8 @@ use lock_core::ReleaseHub;
 use tokio::sync::oneshot;
 use tokio::time::{Interval, MissedTickBehavior};
 
+use crate::plumbing::driver::Driver;
+
 /// The first wait before a failed connection is made again; it doubles
 /// after each failure, up to `max_reconnect_delay`.
 pub(crate) const FIRST_RECONNECT_DELAY: Duration = Duration::from_millis(50);
@@ -40,9 +42,10 @@ impl<I> OnFirstUse<I> {
     }
 
     /// The first time only: `make(input)` gives a task and what to do when
-    /// it ends; the task is spawned, runs until it returns or this is
-    /// dropped, and then the second runs.
-    pub(crate) fn start<F, E>(&self, make: impl FnOnce(I) -> (F, E))
+    /// it ends; the task is spawned on `driver`'s runtime (so that it and
+    /// the connections it makes never depend on the caller's), runs until
+    /// it returns or this is dropped, and then the second runs.
+    pub(crate) fn start<F, E>(&self, driver: &Driver, make: impl FnOnce(I) -> (F, E))
     where
         F: Future<Output = ()> + Send + 'static,
         E: FnOnce() + Send + 'static,
@@ -54,7 +57,7 @@ impl<I> OnFirstUse<I> {
             .take();
         if let Some((dropped, input)) = start {
             let (task, ended) = make(input);
-            tokio::spawn(async move {
+            driver.spawn(async move {
                 tokio::select! {
                     _ = dropped => {}
                     () = task => {}
