@@ -271,7 +271,11 @@ impl RedisClusterBackend {
 
     /// The Redis key that holds the lock of `key`: the prefix, then `key`.
     pub fn lock_key(&self, key: &str) -> String {
-        format!("{}{key}", self.inner.config.prefix)
+        let prefix = &self.inner.config.prefix;
+        let mut lock_key = String::with_capacity(prefix.len() + key.len());
+        lock_key.push_str(prefix);
+        lock_key.push_str(key);
+        lock_key
     }
 
     /// The Redis key of the fencing counter of `key`, in the lock key's
@@ -540,19 +544,24 @@ impl RedisClusterBackend {
                     .collect()
             }
         };
-        let each = group
-            .iter()
-            .zip(values)
-            .map(|((i, lock_key, request), value)| async move {
-                let outcome = if needs_routing(&value) {
-                    extend_one(lock_key, request).await
-                } else {
-                    self.answer(Some(value))
-                        .and_then(|v| extend_outcome(script_number("extension", v)?))
-                };
-                (*i, outcome)
-            });
-        futures_util::future::join_all(each).await
+        let mut outcomes = Vec::with_capacity(group.len());
+        let mut again = Vec::new();
+        for ((i, lock_key, request), value) in group.iter().zip(values) {
+            if needs_routing(&value) {
+                again.push((*i, lock_key, *request));
+            } else {
+                let outcome = self
+                    .answer(Some(value))
+                    .and_then(|v| extend_outcome(script_number("extension", v)?));
+                outcomes.push((*i, outcome));
+            }
+        }
+        // Did not run where they were sent: extended again one by one.
+        let each = again
+            .into_iter()
+            .map(|(i, lock_key, request)| async move { (i, extend_one(lock_key, request).await) });
+        outcomes.extend(futures_util::future::join_all(each).await);
+        outcomes
     }
 }
 
@@ -584,7 +593,14 @@ pub(crate) fn script_number(step: &str, value: Value) -> Result<i64, BackendErro
 
 /// The shard channel of `slot`: `{N}:<prefix>withlock:released`.
 pub(crate) fn slot_channel(slot: u16, prefix: &str) -> String {
-    format!("{{{}}}:{prefix}{CHANNEL}", slot_tag(slot))
+    let tag = slot_tag(slot).to_string();
+    let mut channel = String::with_capacity(tag.len() + 3 + prefix.len() + CHANNEL.len());
+    channel.push('{');
+    channel.push_str(&tag);
+    channel.push_str("}:");
+    channel.push_str(prefix);
+    channel.push_str(CHANNEL);
+    channel
 }
 
 fn parse_urls<T: AsRef<str>>(

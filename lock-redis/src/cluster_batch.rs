@@ -45,13 +45,28 @@ impl Kind {
 /// The batchers of every master, made on first use.
 #[derive(Default)]
 pub(crate) struct Batchers {
-    masters: Mutex<HashMap<(Node, Kind), Arc<Batcher>>>,
+    masters: Mutex<HashMap<Node, OfMaster>>,
+}
+
+/// The two batchers of one master.
+#[derive(Default)]
+struct OfMaster {
+    acquisitions: Arc<Batcher>,
+    releases: Arc<Batcher>,
 }
 
 impl Batchers {
     fn get(&self, master: &Node, kind: Kind) -> Arc<Batcher> {
         let mut masters = self.masters.lock().unwrap_or_else(PoisonError::into_inner);
-        Arc::clone(masters.entry((master.clone(), kind)).or_default())
+        // Looked up before it is made: no key is copied on every step.
+        let of_master = match masters.get(master) {
+            Some(of_master) => of_master,
+            None => masters.entry(master.clone()).or_default(),
+        };
+        Arc::clone(match kind {
+            Kind::Acquisition => &of_master.acquisitions,
+            Kind::Release => &of_master.releases,
+        })
     }
 }
 
@@ -166,18 +181,23 @@ impl BatchOnTheWire {
         let batch = std::mem::take(&mut self.batch);
         match sent {
             Ok(values) => {
+                let mut again = Vec::new();
+                for (queued, value) in batch.into_iter().zip(values) {
+                    if needs_routing(&value) {
+                        again.push(queued);
+                    } else {
+                        let _ = queued.answer.send(backend.answer(Some(value)));
+                    }
+                }
+                // Did not run where it was sent: sent again on its own.
                 let kind = self.kind;
-                let each = batch.into_iter().zip(values).map(|(queued, value)| {
+                let each = again.into_iter().map(|queued| {
                     let backend = &backend;
                     async move {
-                        let answer = if needs_routing(&value) {
-                            let (keys, args) = queued.keys_and_args();
-                            backend
-                                .eval(kind.name(), Lane::Steps, lua, &keys, &args)
-                                .await
-                        } else {
-                            backend.answer(Some(value))
-                        };
+                        let (keys, args) = queued.keys_and_args();
+                        let answer = backend
+                            .eval(kind.name(), Lane::Steps, lua, &keys, &args)
+                            .await;
                         let _ = queued.answer.send(answer);
                     }
                 });

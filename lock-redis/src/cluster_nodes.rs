@@ -461,7 +461,12 @@ impl Shared {
     }
 
     fn links(&self, node: &Node) -> Arc<NodeLinks> {
-        Arc::clone(self.lock_links().entry(node.clone()).or_default())
+        let mut links = self.lock_links();
+        // Looked up before it is made: no key is copied on every step.
+        match links.get(node) {
+            Some(of_node) => Arc::clone(of_node),
+            None => Arc::clone(links.entry(node.clone()).or_default()),
+        }
     }
 
     fn info(&self, (host, port): &Node) -> ConnectionInfo {

@@ -52,6 +52,11 @@ pub const ACQUIRE_SCRIPT: &str = crate::plumbing::scripts::ACQUIRE_LUA;
 /// companion's idle period in milliseconds).
 pub const RELEASE_SCRIPT: &str = include_str!("../lua/release.lua");
 
+/// The cluster backend's release script (as [`RELEASE_SCRIPT`], with
+/// `SPUBLISH` on the shard channel of the key's slot, which
+/// `RedisClusterBackend::channel` names).
+pub const RELEASE_SHARDED_SCRIPT: &str = include_str!("../lua/release_sharded.lua");
+
 /// `REDIS_URL`, or [`DEFAULT_URL`].
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())

@@ -71,10 +71,12 @@ impl Lua {
     }
 
     /// `EVALSHA` of the script with `keys` and `args`, as one command built
-    /// in one buffer (a `redis::Script` invocation copies every key and
-    /// argument into a buffer of its own first).
+    /// in one buffer of the right size (a `redis::Script` invocation copies
+    /// every key and argument into a buffer of its own first, and a command
+    /// made by name grows its buffer argument by argument).
     pub(crate) fn call(&self, keys: &[&str], args: &[&str]) -> redis::Cmd {
-        let mut call = redis::Cmd::with_capacity(4 + keys.len() + 2, 320);
+        let size = 64 + keys.iter().chain(args).map(|s| s.len()).sum::<usize>();
+        let mut call = redis::Cmd::with_capacity(3 + keys.len() + args.len(), size);
         call.arg("EVALSHA")
             .arg(self.hash())
             .arg(keys.len())
@@ -85,11 +87,7 @@ impl Lua {
 
     /// `EVALSHA` of the script with `keys` and `args`, added to `pipe`.
     pub(crate) fn add_call(&self, pipe: &mut redis::Pipeline, keys: &[&str], args: &[&str]) {
-        pipe.cmd("EVALSHA")
-            .arg(self.hash())
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args);
+        pipe.add_command(self.call(keys, args));
     }
 
     /// One call of the script as a pipeline of one command.
