@@ -473,7 +473,129 @@ impl Drop for Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::OwnerToken;
+    use crate::backend::{
+        AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Hold, LockBackend, OwnerToken,
+    };
+    use crate::notify::ReleaseWatch;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Answers every step at once; counts the releases sent.
+    #[derive(Debug, Default)]
+    struct Counting {
+        releases: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl LockBackend for Counting {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::default()
+        }
+        async fn try_acquire(
+            &self,
+            _: &str,
+            _: &OwnerToken,
+            _: Duration,
+        ) -> Result<AcquireOutcome, BackendError> {
+            Ok(AcquireOutcome::Acquired { fencing_token: 1 })
+        }
+        async fn extend(&self, _: &Lease, _: Duration) -> Result<ExtendOutcome, BackendError> {
+            Ok(ExtendOutcome::Extended)
+        }
+        async fn extend_many(
+            &self,
+            requests: &[ExtendRequest],
+        ) -> Vec<Result<ExtendOutcome, BackendError>> {
+            vec![Ok(ExtendOutcome::Extended); requests.len()]
+        }
+        fn failure_domain(&self, _: &str) -> u64 {
+            0
+        }
+        async fn release(&self, _: &Lease) -> Result<ReleaseOutcome, BackendError> {
+            self.releases.fetch_add(1, Ordering::Relaxed);
+            Ok(ReleaseOutcome::Released)
+        }
+        async fn hold(&self, _: &Lease, _: Hold) -> Result<ExtendOutcome, BackendError> {
+            Ok(ExtendOutcome::Extended)
+        }
+        async fn watch_release(&self, _: &str) -> Result<ReleaseWatch, BackendError> {
+            Err(BackendError::message(
+                crate::error::BackendErrorKind::Protocol,
+                "no notifications",
+            ))
+        }
+    }
+
+    fn handle_lock(registry: &Arc<Registry>, key: &str) -> (u64, Arc<HeldLock>) {
+        let lease = Lease::new(key, OwnerToken::new("n"), 1);
+        let held = Arc::new(HeldLock::new(
+            0,
+            lease,
+            Duration::from_secs(30),
+            Instant::now(),
+            Holder::Handle,
+            Meter::new("test", false),
+        ));
+        let id = registry.insert(Arc::clone(&held)).unwrap();
+        (id, held)
+    }
+
+    /// Every ending takes the lock out once, owes exactly what it says and
+    /// marks the record as it says; a second ending of the same lock finds
+    /// nothing.
+    #[tokio::test]
+    async fn every_ending_owes_and_marks_what_it_says_once() {
+        let backend = Arc::new(Counting::default());
+        let dyn_backend: Arc<DynLockBackend> = backend.clone();
+        let registry = Arc::new(Registry::new(dyn_backend, Meter::new("test", false)));
+        let releases = || backend.releases.load(Ordering::Relaxed);
+
+        let (released, r) = handle_lock(&registry, "released");
+        let owed = registry.end(released, Ending::Released).unwrap();
+        assert_eq!(registry.release_counts().0, 1, "owed until answered");
+        assert!(registry.end(released, Ending::Dropped).is_none());
+        assert_eq!(
+            registry.release_counts().0,
+            1,
+            "a second ending owes nothing"
+        );
+        let answer = owed.send().await;
+        settle_release(&r, Some(&answer), Instant::now());
+        assert_eq!(registry.release_counts().0, 0);
+        assert!(r.is_ended() && r.loss_cause().is_none());
+
+        let (dropped, d) = handle_lock(&registry, "dropped");
+        let before = releases();
+        assert!(registry.end(dropped, Ending::Dropped).is_none());
+        assert!(d.is_ended());
+        assert_eq!(releases(), before + 1, "released in the background");
+        assert_eq!(registry.release_counts().0, 0, "and settled");
+
+        let (lost, l) = handle_lock(&registry, "lost");
+        let before = releases();
+        assert!(registry.end(lost, Ending::Lost(LossCause::Taken)).is_none());
+        assert!(matches!(l.loss_cause(), Some(LossCause::Taken)));
+        assert_eq!(registry.release_counts().0, 0, "a loss owes nothing");
+        assert_eq!(releases(), before, "and sends nothing");
+
+        let (held, _) = handle_lock(&registry, "held");
+        let owed = registry.end(held, Ending::LeftToMinimum).unwrap();
+        assert_eq!(registry.release_counts().0, 1);
+        owed.settled_by_hold(true);
+        assert_eq!(registry.release_counts().0, 0);
+
+        let (_, s) = handle_lock(&registry, "shutdown");
+        assert_eq!(registry.len(), 1);
+        let owed = registry.end_all_for_shutdown();
+        assert_eq!((owed.len(), registry.len()), (1, 0));
+        assert!(matches!(s.loss_cause(), Some(LossCause::Shutdown)));
+        assert_eq!(registry.release_counts().0, 1);
+        drop(owed);
+        assert_eq!(registry.release_counts(), (0, 1), "given up while closing");
+        assert!(
+            registry.insert(Arc::clone(&s)).is_none(),
+            "none taken after"
+        );
+    }
 
     fn entry() -> Entry {
         let lease = Lease::new("k", OwnerToken::new("n"), 1);
