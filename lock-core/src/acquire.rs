@@ -16,7 +16,7 @@ use crate::held::{HeldLock, Holder};
 use crate::locker::{Inner, Locker};
 use crate::metrics::{Acquisition, Step, Stopwatch};
 use crate::notify::ReleaseWatch;
-use crate::registry::Registry;
+use crate::registry::{Ending, Registry};
 use crate::task::{finish_even_if_dropped, never};
 
 impl Inner {
@@ -208,9 +208,7 @@ struct ReleaseOnDrop<'a> {
 impl Drop for ReleaseOnDrop<'_> {
     fn drop(&mut self) {
         if self.armed {
-            if let Some(owed) = self.inner.registry.take_ended_for_release(self.id) {
-                owed.in_background();
-            }
+            self.inner.registry.end(self.id, Ending::Dropped);
         }
     }
 }
@@ -252,10 +250,12 @@ impl<'a> Holding<'a> {
     /// dropping the pass lets the next task in.
     pub(crate) async fn release(self, now: Instant) -> Ended<'a> {
         let (inner, id, held, pass) = self.disarm();
-        let (owed, failed) = match inner.registry.release_at_once(id, now) {
-            None => return (None, held, pass),
-            Some(Ok(answer)) => return (Some(answer), held, pass),
-            Some(Err(owed)) => owed,
+        let Some(owed) = inner.registry.end(id, Ending::Released) else {
+            return (None, held, pass);
+        };
+        let (owed, failed) = match owed.at_once(now) {
+            Ok(answer) => return (Some(answer), held, pass),
+            Err(owed) => owed,
         };
         let deadline = held.valid_until();
         // Dropped before the answer, it sends the release again in the
@@ -273,10 +273,11 @@ impl<'a> Holding<'a> {
     /// this future is dropped: it is owed, as a release is.
     pub(crate) async fn hold_to_minimum(self, at_least: Duration, ends: Instant) -> Ended<'a> {
         let (inner, id, held, pass) = self.disarm();
-        if !inner.registry.take_for_hold(id) {
+        let Some(owed) = inner.registry.end(id, Ending::LeftToMinimum) else {
             return (None, held, pass);
-        }
+        };
         let step = crate::hold::leave_to_minimum(
+            owed,
             Arc::clone(&inner.registry),
             Arc::clone(&held),
             at_least,
@@ -326,21 +327,6 @@ impl<'a> Holding<'a> {
             }
         }
         std::future::pending().await
-    }
-
-    /// Gives the lock up after a loss: the extender or shutdown already
-    /// took it out; if not, it is released in the background.
-    pub(crate) fn abandon(mut self) {
-        self.release_on_drop.armed = false;
-        self.held.mark_ended();
-        if let Some(owed) = self
-            .release_on_drop
-            .inner
-            .registry
-            .take_for_release(self.release_on_drop.id)
-        {
-            owed.in_background();
-        }
     }
 }
 

@@ -16,6 +16,7 @@
 //!
 //! [`Capabilities::max_extend_batch`]: crate::Capabilities::max_extend_batch
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -26,11 +27,170 @@ use crate::backend::{ExtendOutcome, ExtendRequest};
 use crate::error::{BackendError, BackendErrorKind, LossCause};
 use crate::held::HeldLock;
 use crate::metrics::Step;
-use crate::registry::Registry;
+use crate::registry::{Ending, Entries, Registry};
 
 /// The first pause before an extension that failed is sent again.
-pub(crate) fn first_backoff(ttl: Duration) -> Duration {
+fn first_backoff(ttl: Duration) -> Duration {
     (ttl / 30).max(Duration::from_millis(10))
+}
+
+/// The extender's plan for one held lock, kept with it in the registry.
+#[derive(Default)]
+pub(crate) struct Plan {
+    /// When its next extension is due, if one is scheduled.
+    due: Option<Instant>,
+    /// The pause before a failed extension is sent again; zero until one
+    /// failed (then [`first_backoff`]).
+    backoff: Duration,
+    last_error: Option<BackendError>,
+    /// The store may have freed the lock while an extension was on its
+    /// way \[L5\]: that extension's answer may predate it, so the lock is
+    /// checked again as soon as it is answered.
+    recheck: bool,
+}
+
+/// What the registry must do for the extender after a lock was taken.
+pub(crate) enum Nudge {
+    Nothing,
+    /// Wake it: the lock is due before it looks next.
+    Wake,
+    /// Start it: none runs.
+    Start,
+}
+
+/// The extender's timetable, kept under the registry's lock (a lock's
+/// plan and its place here change with its stay in the registry), and
+/// changed only here.
+#[derive(Default)]
+pub(crate) struct Timetable {
+    /// The extensions due, by time.
+    due: BTreeSet<(Instant, u64)>,
+    /// Callbacks' locks taken since the extender last looked, not yet in
+    /// `due`: most are released before their first extension is due, and
+    /// then never cost a timetable entry. Ids of locks already gone are
+    /// skipped when the extender looks.
+    unscheduled: Vec<u64>,
+    /// A callback's lock was taken since the extender last looked.
+    taken_since_look: bool,
+    /// The ttl of the last callback's lock taken.
+    last_ttl: Duration,
+    running: bool,
+    /// When the extender looks at the timetable next; `None` while it
+    /// waits for a wake-up. A lock due later needs no wake-up.
+    wakes_at: Option<Instant>,
+    /// Shutdown ended every lock: the extender stops.
+    closed: bool,
+}
+
+impl Timetable {
+    /// Whether an extender task runs.
+    pub(crate) fn is_running(&self) -> bool {
+        self.running
+    }
+
+    /// A callback's lock `id` was taken, its first extension due at
+    /// `first_due`.
+    pub(crate) fn taken(
+        &mut self,
+        entries: &Entries,
+        id: u64,
+        first_due: Instant,
+        ttl: Duration,
+    ) -> Nudge {
+        // Put in `due` when the extender next looks, which it does by
+        // `wakes_at`: woken only to look earlier.
+        if self.unscheduled.len() >= 64 && self.unscheduled.len() > 2 * entries.len() {
+            self.unscheduled.retain(|id| entries.contains_key(id));
+        }
+        self.unscheduled.push(id);
+        self.taken_since_look = true;
+        self.last_ttl = ttl;
+        let wake = self.wakes_at.is_none_or(|at| first_due < at);
+        if wake {
+            self.wakes_at = Some(first_due);
+        }
+        if !self.running {
+            self.running = true;
+            Nudge::Start
+        } else if wake {
+            Nudge::Wake
+        } else {
+            Nudge::Nothing
+        }
+    }
+
+    /// A lock left the registry with `plan`.
+    pub(crate) fn left(&mut self, id: u64, plan: &Plan) {
+        if let Some(due) = plan.due {
+            self.due.remove(&(due, id));
+        }
+    }
+
+    /// Shutdown ended every lock.
+    pub(crate) fn close(&mut self) {
+        self.closed = true;
+        self.due.clear();
+        self.unscheduled.clear();
+    }
+
+    /// Schedules an extension; returns whether the extender must be woken
+    /// to see it in time.
+    fn schedule(&mut self, entries: &mut Entries, id: u64, due: Instant) -> bool {
+        let Some(e) = entries.get_mut(&id) else {
+            return false;
+        };
+        e.plan.due = Some(due);
+        self.due.insert((due, id));
+        if self.wakes_at.is_none_or(|at| due < at) {
+            self.wakes_at = Some(due);
+            return true;
+        }
+        false
+    }
+
+    /// Schedules the first extension of every lock in `unscheduled` that is
+    /// still held.
+    fn schedule_taken(&mut self, entries: &mut Entries) {
+        let mut taken = std::mem::take(&mut self.unscheduled);
+        for &id in &taken {
+            let due = match entries.get(&id) {
+                Some(e) if e.plan.due.is_none() => e.held.extension_due(),
+                _ => continue,
+            };
+            self.schedule(entries, id, due);
+        }
+        taken.clear();
+        self.unscheduled = taken;
+    }
+
+    /// Makes sure lock `id` is checked by `by` \[L5\]: the extension's
+    /// answer tells, still ours or lost (`Taken`). A lock already due by
+    /// then is left as it is, so that checks of locks taken together go
+    /// out in one batch with their extensions; an extension on its way is
+    /// answered first, then the lock is checked again at once. `None` once
+    /// the lock left the registry, else whether to wake the extender.
+    pub(crate) fn check_within(
+        &mut self,
+        entries: &mut Entries,
+        id: u64,
+        by: Instant,
+    ) -> Option<bool> {
+        let e = entries.get_mut(&id)?;
+        Some(match e.plan.due {
+            Some(due) if due <= by => false,
+            Some(due) => {
+                self.due.remove(&(due, id));
+                self.schedule(entries, id, by)
+            }
+            None if e.held.is_extending() => {
+                e.plan.recheck = true;
+                false
+            }
+            // Not scheduled yet: its first extension, if due by then.
+            None if e.held.extension_due() <= by => false,
+            None => self.schedule(entries, id, by),
+        })
+    }
 }
 
 /// Starts the extender of `registry` on the current runtime.
@@ -47,8 +207,9 @@ impl Drop for Running {
     fn drop(&mut self) {
         if let Some(registry) = self.0.upgrade() {
             let mut s = registry.lock();
-            s.extender_running = false;
-            s.extender_wakes_at = None;
+            let (_, timetable) = s.for_extender();
+            timetable.running = false;
+            timetable.wakes_at = None;
         }
     }
 }
@@ -62,10 +223,9 @@ async fn run(running: Running, wake: Arc<Notify>) {
             let Some(registry) = running.0.upgrade() else {
                 return;
             };
-            if registry.lock().closed {
+            let Some((batches, next)) = take_due(&registry, Instant::now()) else {
                 return;
-            }
-            let (batches, next) = take_due(&registry, Instant::now());
+            };
             for batch in batches {
                 tokio::spawn(send_batch(Arc::clone(&registry), batch));
             }
@@ -113,33 +273,38 @@ impl Drop for Batch {
 }
 
 /// Takes the locks due now, as batches of one failure domain each \[L4\],
-/// declares lost those whose validity ran out before an extension could be
-/// sent, and says when to wake next.
-fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) {
+/// ends as lost those whose validity ran out before an extension could be
+/// sent, and says when to wake next. `None` once shutdown closed the
+/// registry: the extender stops.
+fn take_due(registry: &Arc<Registry>, now: Instant) -> Option<(Vec<Batch>, Option<Instant>)> {
     let mut s = registry.lock();
-    s.schedule_taken();
+    let (entries, tt) = s.for_extender();
+    if tt.closed {
+        return None;
+    }
+    tt.schedule_taken(entries);
     let mut due_now = Vec::new();
     let mut lost = Vec::new();
-    while let Some(&(due, id)) = s.schedule.first() {
-        let Some(e) = s.entries.get(&id) else {
-            s.schedule.pop_first();
+    while let Some(&(due, id)) = tt.due.first() {
+        let Some(e) = entries.get_mut(&id) else {
+            tt.due.pop_first();
             continue;
         };
         let ttl = e.held.ttl;
         if due > now + ttl / 12 {
             break;
         }
+        tt.due.pop_first();
+        e.plan.due = None;
         let valid_until = e.held.valid_until();
         if now >= valid_until {
-            let error = e.last_error.clone().unwrap_or_else(|| {
+            let error = e.plan.last_error.clone().unwrap_or_else(|| {
                 BackendError::message(
                     BackendErrorKind::Timeout,
                     "the lock's validity ran out before an extension could be sent",
                 )
             });
-            if let Some(e) = s.remove(id) {
-                lost.push((e, LossCause::Backend(error)));
-            }
+            lost.push((id, LossCause::Backend(error)));
             continue;
         }
         let request = ExtendRequest {
@@ -148,12 +313,8 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
         };
         let held = Arc::clone(&e.held);
         held.extension_sent();
-        s.schedule.pop_first();
-        if let Some(e) = s.entries.get_mut(&id) {
-            e.due = None;
-            // Sent after any release announced so far.
-            e.recheck = false;
-        }
+        // Sent after any release announced so far.
+        e.plan.recheck = false;
         due_now.push((id, held, request, valid_until));
     }
     // With nothing to extend right after locks were taken (most are
@@ -161,21 +322,18 @@ fn take_due(registry: &Registry, now: Instant) -> (Vec<Batch>, Option<Instant>) 
     // ttl rather than wait to be woken: the locks taken meanwhile are due
     // later, so taking them wakes nobody. Only a look that saw no lock
     // taken since the last one lets the extender sleep until woken.
-    let next = match s.schedule.first() {
+    let next = match tt.due.first() {
         Some(&(due, _)) => Some(due),
-        None if s.taken_since_look => Some(now + s.last_ttl / 4),
+        None if tt.taken_since_look => Some(now + tt.last_ttl / 4),
         None => None,
     };
-    s.taken_since_look = false;
-    s.extender_wakes_at = next;
+    tt.taken_since_look = false;
+    tt.wakes_at = next;
     drop(s);
-    if !lost.is_empty() {
-        registry.notify_changed();
+    for (id, cause) in lost {
+        registry.end(id, Ending::Lost(cause));
     }
-    for (held, cause) in lost {
-        lose(registry, &held, cause, now);
-    }
-    (batches(registry, due_now), next)
+    Some((batches(registry, due_now), next))
 }
 
 /// Groups the leases due into batches of at most the backend's batch size,
@@ -212,32 +370,10 @@ fn batches(
     full
 }
 
-/// Tells the holder of a lock the extender took out that it was lost.
-fn lose(registry: &Registry, held: &HeldLock, cause: LossCause, now: Instant) {
-    tracing::warn!(
-        key = %held.lease.key(),
-        fencing_token = held.lease.fencing_token(),
-        cause = %cause,
-        "lock lost"
-    );
-    let backend_failed = matches!(cause, LossCause::Backend(_));
-    held.mark_lost(cause);
-    if backend_failed {
-        // The key may still carry our token, and an extension still on its
-        // way may lengthen it: free it while it may.
-        registry.cleanup.add(
-            registry,
-            held.lease.key_arc(),
-            held.lease.owner().clone(),
-            now + held.ttl,
-        );
-    }
-}
-
 /// Applies the answer to one batch sent at `sent_at`. `timed_out`: the
 /// error is the driver's own deadline, not the store's answer.
 fn apply(
-    registry: &Registry,
+    registry: &Arc<Registry>,
     batch: &Batch,
     sent_at: Instant,
     answers: Vec<Result<ExtendOutcome, BackendError>>,
@@ -245,10 +381,11 @@ fn apply(
 ) {
     let now = Instant::now();
     let mut s = registry.lock();
+    let (entries, tt) = s.for_extender();
     let mut lost = Vec::new();
     let mut wake = false;
     for (&id, answer) in batch.ids.iter().zip(answers) {
-        let Some(e) = s.entries.get_mut(&id) else {
+        let Some(e) = entries.get_mut(&id) else {
             continue; // released while the batch was in flight
         };
         // Each lease's own answer \[L4\].
@@ -258,20 +395,21 @@ fn apply(
         if result.is_err() {
             registry.meter.backend_error(key, Step::Extend);
         }
+        let plan = &mut e.plan;
         match result {
             Ok(ExtendOutcome::Extended) => {
                 e.held.confirm(sent_at);
-                e.backoff = Duration::ZERO;
-                e.last_error = None;
+                plan.backoff = Duration::ZERO;
+                plan.last_error = None;
                 tracing::trace!(key = %e.held.lease.key(), fencing_token = e.held.lease.fencing_token(), "lock extended");
                 // [L5] A release announced while it was on its way: the
                 // answer may predate it.
-                let due = if std::mem::take(&mut e.recheck) {
+                let due = if std::mem::take(&mut plan.recheck) {
                     now
                 } else {
                     e.held.extension_due()
                 };
-                wake |= s.schedule(id, due);
+                wake |= tt.schedule(entries, id, due);
             }
             // [L1] A key found gone by an extension sent while the lock
             // was valid did not expire: it was deleted, freed or lost by
@@ -285,37 +423,30 @@ fn apply(
                 tracing::debug!(key = %e.held.lease.key(), error = %error, "lock extension failed; retrying");
                 // A last try cut short by the validity deadline says less
                 // than the store's own error before it.
-                let error = match (&e.last_error, timed_out) {
+                let error = match (&plan.last_error, timed_out) {
                     (Some(earlier), true) => earlier.clone(),
                     _ => error.clone(),
                 };
-                e.last_error = Some(error.clone());
+                plan.last_error = Some(error.clone());
                 let valid_until = e.held.valid_until();
                 if now >= valid_until {
                     lost.push((id, LossCause::Backend(error)));
                 } else {
-                    let backoff = if e.backoff.is_zero() {
+                    let backoff = if plan.backoff.is_zero() {
                         first_backoff(e.held.ttl)
                     } else {
-                        e.backoff
+                        plan.backoff
                     };
                     let due = (now + backoff).min(valid_until);
-                    e.backoff = (backoff * 2).min(e.held.ttl / 6);
-                    wake |= s.schedule(id, due);
+                    plan.backoff = (backoff * 2).min(e.held.ttl / 6);
+                    wake |= tt.schedule(entries, id, due);
                 }
             }
         }
     }
-    let lost: Vec<_> = lost
-        .into_iter()
-        .filter_map(|(id, cause)| s.remove(id).map(|held| (held, cause)))
-        .collect();
     drop(s);
-    if !lost.is_empty() {
-        registry.notify_changed();
-    }
-    for (held, cause) in lost {
-        lose(registry, &held, cause, now);
+    for (id, cause) in lost {
+        registry.end(id, Ending::Lost(cause));
     }
     if wake {
         registry.wake.notify_one();

@@ -11,6 +11,7 @@ use crate::error::{BackendError, LockError, LossCause};
 use crate::held::{HeldLock, Holder};
 use crate::locker::Locker;
 use crate::metrics::Step;
+use crate::registry::{self, Ending};
 use crate::task::{finish_even_if_dropped, never};
 
 /// A lock taken and kept by hand: no retries, no background extension.
@@ -130,12 +131,12 @@ impl LockHandle {
                 Ok(true)
             }
             Ok(outcome @ (ExtendOutcome::Expired | ExtendOutcome::Taken)) => {
-                held.mark_lost(if outcome == ExtendOutcome::Expired {
+                let cause = if outcome == ExtendOutcome::Expired {
                     LossCause::Expired
                 } else {
                     LossCause::Taken
-                });
-                self.locker.inner().registry.forget(id);
+                };
+                self.locker.inner().registry.end(id, Ending::Lost(cause));
                 self.held = None;
                 Ok(false)
             }
@@ -161,20 +162,14 @@ impl LockHandle {
         let Some((id, held)) = self.held.take() else {
             return Ok(false);
         };
-        let Some(owed) = self.locker.inner().registry.take_for_release(id) else {
+        let registry = &self.locker.inner().registry;
+        let Some(owed) = registry.end(id, Ending::Released) else {
             return Ok(false); // released by shutdown
         };
         let sent_at = tokio::time::Instant::now();
         let answer = finish_even_if_dropped(owed.send(), |_| {}).await;
-        if matches!(answer, Ok(ReleaseOutcome::NotHeld)) {
-            // As `with_lock` tells them apart [O6].
-            held.mark_lost(if held.is_valid_at(sent_at) {
-                LossCause::Taken
-            } else {
-                LossCause::Expired
-            });
-        }
-        held.mark_ended();
+        // As `with_lock` tells them apart [O6].
+        registry::settle_release(&held, Some(&answer), sent_at);
         match answer {
             Ok(outcome) => Ok(outcome == ReleaseOutcome::Released),
             Err(source) => Err(self.backend_error(source)),
@@ -218,11 +213,8 @@ impl LockHandle {
 
 impl Drop for LockHandle {
     fn drop(&mut self) {
-        if let Some((id, held)) = self.held.take() {
-            if let Some(owed) = self.locker.inner().registry.take_for_release(id) {
-                held.mark_ended();
-                owed.in_background();
-            }
+        if let Some((id, _)) = self.held.take() {
+            self.locker.inner().registry.end(id, Ending::Dropped);
         }
     }
 }

@@ -15,8 +15,8 @@ use crate::metrics::Step;
 use crate::registry::Registry;
 use crate::release::{OwedRelease, MAX_RETRY_PAUSE, RETRY_PAUSE};
 
-/// Sets the expiry of `held`, already out of the registry and owed
-/// ([`Registry::take_for_hold`]), to its minimum hold's end `ends`
+/// Sets the expiry of `held`, which left the registry with its step owed
+/// as `owed` ([`Ending::LeftToMinimum`](crate::registry::Ending)), to its minimum hold's end `ends`
 /// (`at_least` after the acquisition), and settles what it owes.
 ///
 /// Any extension still on its way is awaited first, so none moves the
@@ -26,6 +26,7 @@ use crate::release::{OwedRelease, MAX_RETRY_PAUSE, RETRY_PAUSE};
 /// freed if the hold ended meanwhile), `NotHeld` when it was gone or
 /// another owner's, or the error, with the key left to its ttl.
 pub(crate) async fn leave_to_minimum(
+    owed: OwedRelease,
     registry: Arc<Registry>,
     held: Arc<HeldLock>,
     at_least: Duration,
@@ -42,9 +43,7 @@ pub(crate) async fn leave_to_minimum(
         if now >= ends {
             // The minimum passed while an extension was on its way or the
             // store failed: a release frees the key and settles the debt.
-            return OwedRelease::new(registry, held.lease.clone())
-                .send_until(deadline, now, maybe_applied)
-                .await;
+            return owed.send_until(deadline, now, maybe_applied).await;
         }
         let hold = Hold::new(at_least, ends - now);
         let answer = match registry.backend.hold(&held.lease, hold).await {
@@ -79,6 +78,6 @@ pub(crate) async fn leave_to_minimum(
             tracing::debug!(key = %held.lease.key(), %error, "the minimum hold's step failed; the key expires with its ttl");
         }
     }
-    registry.release_settled(answer.is_ok());
+    owed.settled_by_hold(answer.is_ok());
     answer
 }

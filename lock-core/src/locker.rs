@@ -11,14 +11,14 @@ use std::task::Poll;
 use futures_util::FutureExt;
 use tokio::time::Instant;
 
-use crate::backend::{Capabilities, DynLockBackend, LockBackend, ReleaseOutcome};
+use crate::backend::{Capabilities, DynLockBackend, LockBackend};
 use crate::config::{validate_key, LockConfig, LockerOptions};
 use crate::context::{held_by_current_task, LockContext, Scoped};
 use crate::error::{LockError, LossCause};
 use crate::gate::Gates;
 use crate::held::HeldLock;
 use crate::metrics::Meter;
-use crate::registry::Registry;
+use crate::registry::{self, Registry};
 use crate::shutdown::ShutdownSignal;
 use crate::task::never;
 
@@ -284,9 +284,7 @@ impl Locker {
                 // stalled past its ttl is told here, even when no extension
                 // ran meanwhile), and not found taken by the release.
                 let now = Instant::now();
-                if !lock.held.is_valid_at(now) {
-                    lock.held.mark_lost(LossCause::Expired);
-                }
+                registry::outlived(&lock.held, now);
                 // [H7] Settled before its minimum hold ended: left to
                 // expire then, not released.
                 let hold = config.hold_at_least;
@@ -298,21 +296,15 @@ impl Locker {
                     Some(ends) => lock.hold_to_minimum(hold, ends).await,
                     None => lock.release(now).await,
                 };
-                match answer {
-                    Some(Ok(ReleaseOutcome::NotHeld)) => {
-                        held.mark_lost(LossCause::Taken);
-                    }
-                    // A release (or minimum hold) that failed proves
-                    // nothing either way: the validity was intact when the
-                    // callback settled, so its output stands, and the key
-                    // expires with its ttl.
-                    Some(Err(error)) => {
-                        let step = if in_hold { "minimum hold" } else { "release" };
-                        tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "{step} failed after the callback settled; its output stands and the key expires with its ttl");
-                    }
-                    Some(Ok(ReleaseOutcome::Released)) | None => {}
+                // A release (or minimum hold) that failed proves nothing
+                // either way: the validity was intact when the callback
+                // settled, so its output stands, and the key expires with
+                // its ttl.
+                if let Some(Err(error)) = &answer {
+                    let step = if in_hold { "minimum hold" } else { "release" };
+                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "{step} failed after the callback settled; its output stands and the key expires with its ttl");
                 }
-                held.mark_ended();
+                registry::settle_release(&held, answer.as_ref(), now);
                 let cause = held.loss_cause().cloned();
                 if let Some(cause) = &cause {
                     tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %cause, "lock lost before the callback settled");
@@ -329,7 +321,9 @@ impl Locker {
                 }
             }
             Err((guarded, cause)) => {
-                lock.abandon();
+                // Gives the lock up: the extender or shutdown already took
+                // it out; if not, it is released in the background.
+                drop(lock);
                 on_loss.lost(guarded);
                 Err(lost(key, cause))
             }

@@ -1,12 +1,20 @@
-//! The registry of the locks a locker holds and of the releases it owes.
+//! The life of a held lock: the registry of the locks a locker holds and
+//! of the releases it owes.
 //!
-//! A lock is in the registry from the moment it is taken until its release
-//! is sent, or it is lost. A release is owed from the moment the lock leaves
-//! the registry to be released until the store answered it (or the release
-//! was given up). Shutdown waits on both: first for the callbacks, then for
-//! every owed release \[S1\].
+//! A lock enters with [`Registry::insert`] when it is taken and leaves
+//! through [`Registry::end`] with its [`Ending`]: released by its call,
+//! left to its minimum hold, dropped, or lost (shutdown ends all at once,
+//! [`Registry::end_all_for_shutdown`]). That one function takes it out,
+//! counts what it owes, marks its record and hands on what remains (the
+//! release, the clean-up of a key a failure may have left ours). While it
+//! is held, the extender keeps it alive on its own timetable
+//! ([`crate::extender`]), and ends it there if an extension finds it lost.
+//!
+//! A release is owed from the moment the lock leaves the registry to be
+//! released until the store answered it (or the release was given up).
+//! Shutdown waits on both: first for the callbacks, then for every owed
+//! release \[S1\].
 
-use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -17,24 +25,16 @@ use tokio::time::Instant;
 
 use crate::backend::{DynLockBackend, Lease, ReleaseOutcome};
 use crate::error::{BackendError, LossCause};
+use crate::extender::{self, Nudge, Plan, Timetable};
 use crate::held::{HeldLock, Holder};
 use crate::metrics::Meter;
 use crate::release::{Cleanup, OwedRelease};
 use crate::task::Signal;
 
-/// A held lock, with the extender's bookkeeping for it.
+/// A held lock, with the extender's plan for it.
 pub(crate) struct Entry {
     pub(crate) held: Arc<HeldLock>,
-    /// When its next extension is due, if one is scheduled.
-    pub(crate) due: Option<Instant>,
-    /// The pause before a failed extension is sent again; zero until one
-    /// failed (then [`first_backoff`](crate::extender::first_backoff)).
-    pub(crate) backoff: Duration,
-    pub(crate) last_error: Option<BackendError>,
-    /// The store may have freed the lock while an extension was on its
-    /// way \[L5\]: that extension's answer may predate it, so the lock is
-    /// checked again as soon as it is answered.
-    pub(crate) recheck: bool,
+    pub(crate) plan: Plan,
 }
 
 /// The held locks, by id: a slab. An id is its slot's index in the low 32
@@ -137,73 +137,84 @@ impl Entries {
     }
 }
 
+/// How a held lock leaves the registry. Every way out is one of these,
+/// through [`Registry::end`] (or, for all locks at once,
+/// [`Registry::end_all_for_shutdown`]).
+#[derive(Debug)]
+pub(crate) enum Ending {
+    /// The call that took it releases it and waits for the store's answer
+    /// \[H3\]: the release is owed from now on, and handed to the caller,
+    /// who settles the record with [`settle_release`] once it is answered.
+    Released,
+    /// Its callback settled before its minimum hold ended \[H7\]: it is
+    /// left to expire then, not released. The hold's step is owed, as a
+    /// release is, and handed to the caller.
+    LeftToMinimum,
+    /// Its call, handle or guard was dropped, or its callback gave it up
+    /// after a loss \[C2\]: the record is marked ended and the release goes
+    /// on in the background, owed.
+    Dropped,
+    /// Lost \[L1, L2\]: an extension or a renewal found it expired or
+    /// taken (a key found freed after a release notification is `Taken`:
+    /// the watch's check is an extension \[L5\]), or its validity ran out
+    /// while the store failed. Nothing is owed; after a backend error the
+    /// key may still carry this node's token, so the clean-up frees it
+    /// while it may.
+    Lost(LossCause),
+}
+
+/// Settles the record of a lock its call released (or left to its minimum
+/// hold), with the store's answer to a step sent at `sent_at`: a key found
+/// not ours was taken while the lock was valid, else it expired \[O6\];
+/// an error proves nothing either way. Then the record is ended.
+pub(crate) fn settle_release(
+    held: &HeldLock,
+    answer: Option<&Result<ReleaseOutcome, BackendError>>,
+    sent_at: Instant,
+) {
+    if let Some(Ok(ReleaseOutcome::NotHeld)) = answer {
+        held.mark_lost(if held.is_valid_at(sent_at) {
+            LossCause::Taken
+        } else {
+            LossCause::Expired
+        });
+    }
+    held.mark_ended();
+}
+
+/// \[O6\] A callback that settled after its lock's validity ran out (a
+/// holder that stalled past its ttl) lost the lock, even when no extension
+/// ran meanwhile: marked before the lock ends.
+pub(crate) fn outlived(held: &HeldLock, settled_at: Instant) {
+    if !held.is_valid_at(settled_at) {
+        held.mark_lost(LossCause::Expired);
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct State {
-    pub(crate) entries: Entries,
-    /// The extensions due, by time.
-    pub(crate) schedule: BTreeSet<(Instant, u64)>,
-    /// Callbacks' locks taken since the extender last looked, not yet in
-    /// `schedule`: most are released before their first extension is due,
-    /// and then never cost a schedule entry. Ids of locks already gone are
-    /// skipped when the extender looks.
-    pub(crate) unscheduled: Vec<u64>,
-    /// A callback's lock was taken since the extender last looked.
-    pub(crate) taken_since_look: bool,
-    /// The ttl of the last callback's lock taken.
-    pub(crate) last_ttl: Duration,
+    entries: Entries,
+    timetable: Timetable,
     callbacks: usize,
     owed: usize,
     /// Owed releases that failed or were given up since shutdown began.
     failed_while_closing: usize,
-    pub(crate) extender_running: bool,
-    /// When the extender looks at the schedule next; `None` while it waits
-    /// for a wake-up. A lock due later needs no wake-up.
-    pub(crate) extender_wakes_at: Option<Instant>,
     /// Shutdown began: no new locks.
     no_new: bool,
-    /// Shutdown drained the registry: the extender stops.
-    pub(crate) closed: bool,
     /// The runtime that last took a lock, for releases started outside one.
     runtime: Option<Handle>,
 }
 
 impl State {
-    /// Schedules an extension; returns whether the extender must be woken
-    /// to see it in time.
-    pub(crate) fn schedule(&mut self, id: u64, due: Instant) -> bool {
-        let Some(e) = self.entries.get_mut(&id) else {
-            return false;
-        };
-        e.due = Some(due);
-        self.schedule.insert((due, id));
-        if self.extender_wakes_at.is_none_or(|at| due < at) {
-            self.extender_wakes_at = Some(due);
-            return true;
-        }
-        false
-    }
-
-    /// Schedules the first extension of every lock in `unscheduled` that is
-    /// still held.
-    pub(crate) fn schedule_taken(&mut self) {
-        let mut taken = std::mem::take(&mut self.unscheduled);
-        for &id in &taken {
-            let due = match self.entries.get(&id) {
-                Some(e) if e.due.is_none() => e.held.extension_due(),
-                _ => continue,
-            };
-            self.schedule(id, due);
-        }
-        taken.clear();
-        self.unscheduled = taken;
+    /// The held locks and the extender's timetable, for the extender.
+    pub(crate) fn for_extender(&mut self) -> (&mut Entries, &mut Timetable) {
+        (&mut self.entries, &mut self.timetable)
     }
 
     /// Takes a lock out; returns its record.
-    pub(crate) fn remove(&mut self, id: u64) -> Option<Arc<HeldLock>> {
+    fn remove(&mut self, id: u64) -> Option<Arc<HeldLock>> {
         let e = self.entries.remove(&id)?;
-        if let Some(due) = e.due {
-            self.schedule.remove(&(due, id));
-        }
+        self.timetable.left(id, &e.plan);
         if e.held.holder == Holder::Callback {
             self.callbacks -= 1;
         }
@@ -211,9 +222,10 @@ impl State {
     }
 }
 
+/// The locks a locker holds, and the one way each of them ends.
 pub(crate) struct Registry {
     state: Mutex<State>,
-    /// Wakes the extender when the schedule changed or the registry closed.
+    /// Wakes the extender when the timetable changed or the registry closed.
     pub(crate) wake: Arc<Notify>,
     /// Wakes shutdown when the callbacks or the owed releases changed. Every
     /// change is made under `state`'s lock, and every waiter's condition
@@ -252,7 +264,7 @@ impl Registry {
         }
         // The runtime of the extender, or of the call if none runs: a
         // runtime that ended took its extender with it.
-        if s.runtime.is_none() || !s.extender_running {
+        if s.runtime.is_none() || !s.timetable.is_running() {
             if let Ok(runtime) = Handle::try_current() {
                 s.runtime = Some(runtime);
             }
@@ -260,37 +272,24 @@ impl Registry {
         let (holder, ttl) = (held.holder, held.ttl);
         let first_due = (holder == Holder::Callback).then(|| held.extension_due());
         let id = s.entries.insert(Entry {
-            backoff: Duration::ZERO,
             held,
-            due: None,
-            last_error: None,
-            recheck: false,
+            plan: Plan::default(),
         });
         if let Some(first_due) = first_due {
             s.callbacks += 1;
-            // Scheduled when the extender next looks, which it does by
-            // `extender_wakes_at`: woken only to look earlier.
-            if s.unscheduled.len() >= 64 && s.unscheduled.len() > 2 * s.entries.len() {
-                let State {
-                    unscheduled,
-                    entries,
-                    ..
-                } = &mut *s;
-                unscheduled.retain(|id| entries.contains_key(id));
-            }
-            s.unscheduled.push(id);
-            s.taken_since_look = true;
-            s.last_ttl = ttl;
-            let wake = s.extender_wakes_at.is_none_or(|at| first_due < at);
-            if wake {
-                s.extender_wakes_at = Some(first_due);
-            }
-            if !s.extender_running {
-                s.extender_running = true;
-                drop(s);
-                crate::extender::start(self);
-            } else if wake {
-                self.wake.notify_one();
+            let State {
+                entries, timetable, ..
+            } = &mut *s;
+            match timetable.taken(entries, id, first_due, ttl) {
+                Nudge::Nothing => {}
+                Nudge::Wake => {
+                    drop(s);
+                    self.wake.notify_one();
+                }
+                Nudge::Start => {
+                    drop(s);
+                    extender::start(self);
+                }
             }
         }
         Some(id)
@@ -298,31 +297,14 @@ impl Registry {
 
     /// Makes sure a callback's lock is checked within `within` from now:
     /// the store may have freed the key without this node (an operator's
-    /// force release) \[L5\]. The extension's answer tells: still ours, or
-    /// lost (`Taken`). A lock already due by then is left as it is, so
-    /// that checks of locks taken together go out in one batch with their
-    /// extensions; an extension on its way is answered first, then the
-    /// lock is checked again at once. False once the lock left the
-    /// registry.
+    /// force release) \[L5\]. False once the lock left the registry.
     pub(crate) fn check_within(&self, id: u64, within: Duration) -> bool {
         let mut s = self.lock();
-        let Some(e) = s.entries.get_mut(&id) else {
+        let State {
+            entries, timetable, ..
+        } = &mut *s;
+        let Some(wake) = timetable.check_within(entries, id, Instant::now() + within) else {
             return false;
-        };
-        let by = Instant::now() + within;
-        let wake = match e.due {
-            Some(due) if due <= by => false,
-            Some(due) => {
-                s.schedule.remove(&(due, id));
-                s.schedule(id, by)
-            }
-            None if e.held.is_extending() => {
-                e.recheck = true;
-                false
-            }
-            // Not scheduled yet: its first extension, if due by then.
-            None if e.held.extension_due() <= by => false,
-            None => s.schedule(id, by),
         };
         drop(s);
         if wake {
@@ -331,81 +313,85 @@ impl Registry {
         true
     }
 
-    /// Takes a lock out that was lost: no release is owed for it.
-    pub(crate) fn forget(&self, id: u64) -> Option<Arc<HeldLock>> {
-        let held = self.lock().remove(id)?;
+    /// Ends a lock's stay in the registry, the one way out for a single
+    /// lock: takes it out, counts what it owes, marks its record, and hands
+    /// on what remains to do. Gives the owed step for [`Ending::Released`]
+    /// and [`Ending::LeftToMinimum`]; `None` for the others, and when the
+    /// lock had already left (lost, or ended by shutdown, which marked its
+    /// record).
+    pub(crate) fn end(self: &Arc<Self>, id: u64, ending: Ending) -> Option<OwedRelease> {
+        let owes = !matches!(ending, Ending::Lost(_));
+        let held = {
+            let mut s = self.lock();
+            let held = s.remove(id);
+            if held.is_some() && owes {
+                s.owed += 1;
+            }
+            held
+        };
+        let held = held?;
         self.changed.notify_waiters_after_locked_change();
-        Some(held)
-    }
-
-    /// Takes a lock out to release it. `None` if it was already taken out
-    /// (lost, or released by shutdown). The release is owed until the
-    /// returned value is sent and answered, or dropped.
-    pub(crate) fn take_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
-        let held = self.take_owed(id)?;
-        self.changed.notify_waiters_after_locked_change();
-        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
-    }
-
-    /// As [`take_for_release`](Self::take_for_release), for a lock whose
-    /// call was dropped: its record is marked ended once it is taken out.
-    /// (A lock already taken out was lost, or released by shutdown, which
-    /// marked its record lost.)
-    pub(crate) fn take_ended_for_release(self: &Arc<Self>, id: u64) -> Option<OwedRelease> {
-        let held = self.take_owed(id)?;
-        held.mark_ended();
-        self.changed.notify_waiters_after_locked_change();
-        Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
-    }
-
-    /// Takes a lock out to leave it to its minimum hold \[H7\]: its hold
-    /// step is owed like a release (shutdown waits for it) until
-    /// [`release_settled`](Self::release_settled). False if it was already
-    /// taken out (lost, or released by shutdown).
-    pub(crate) fn take_for_hold(&self, id: u64) -> bool {
-        let taken = self.take_owed(id).is_some();
-        if taken {
-            self.changed.notify_waiters_after_locked_change();
+        match ending {
+            Ending::Released | Ending::LeftToMinimum => {
+                Some(OwedRelease::new(Arc::clone(self), held.lease.clone()))
+            }
+            Ending::Dropped => {
+                held.mark_ended();
+                OwedRelease::new(Arc::clone(self), held.lease.clone()).in_background();
+                None
+            }
+            Ending::Lost(cause) => {
+                self.lost(&held, cause);
+                None
+            }
         }
-        taken
     }
 
-    /// Takes a lock out, its release counted as owed from now on; those
-    /// waiting for the registry to change are not told yet.
-    fn take_owed(&self, id: u64) -> Option<Arc<HeldLock>> {
+    /// Marks a lock that left the registry lost, and has its key cleaned
+    /// up when the cause leaves it possibly ours.
+    fn lost(&self, held: &HeldLock, cause: LossCause) {
+        if held.holder == Holder::Callback {
+            tracing::warn!(
+                key = %held.lease.key(),
+                fencing_token = held.lease.fencing_token(),
+                cause = %cause,
+                "lock lost"
+            );
+        }
+        let backend_failed = matches!(cause, LossCause::Backend(_));
+        held.mark_lost(cause);
+        if backend_failed {
+            // The key may still carry our token, and an extension still on
+            // its way may lengthen it: free it while it may.
+            self.cleanup.add(
+                self,
+                held.lease.key_arc(),
+                held.lease.owner().clone(),
+                Instant::now() + held.ttl,
+            );
+        }
+    }
+
+    /// Ends every lock still held, for shutdown \[S1\]: each is marked
+    /// lost with [`LossCause::Shutdown`] and its release, owed from now
+    /// on, is returned for shutdown to send. No lock is taken after it.
+    pub(crate) fn end_all_for_shutdown(self: &Arc<Self>) -> Vec<OwedRelease> {
         let mut s = self.lock();
-        let held = s.remove(id)?;
-        s.owed += 1;
-        Some(held)
-    }
-
-    /// Takes a lock out to release it (`None` as
-    /// [`take_for_release`](Self::take_for_release)) and sends the release
-    /// to a backend that answers at once: then the answer, settled. Else
-    /// the release, owed from now on, with the failed answer if there was
-    /// one (to hand to [`OwedRelease::send_until`]).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn release_at_once(
-        self: &Arc<Self>,
-        id: u64,
-        now: Instant,
-    ) -> Option<Result<Result<ReleaseOutcome, BackendError>, (OwedRelease, Option<BackendError>)>>
-    {
-        // Owed from the moment it leaves the registry, so that shutdown
-        // waits for it; the backend is called with no lock held.
-        let held = self.take_owed(id)?;
-        match self.backend.release_now(&held.lease, now) {
-            Some(Ok(outcome)) => {
-                self.release_settled(true);
-                tracing::debug!(key = %held.lease.key(), fencing_token = held.lease.fencing_token(), ?outcome, "released");
-                Some(Ok(Ok(outcome)))
-            }
-            answer => {
-                self.changed.notify_waiters_after_locked_change();
-                let owed = OwedRelease::new(Arc::clone(self), held.lease.clone());
-                Some(Err((owed, answer.and_then(Result::err))))
-            }
-        }
+        s.no_new = true;
+        s.timetable.close();
+        s.callbacks = 0;
+        let drained: Vec<Arc<HeldLock>> = s.entries.drain().into_iter().map(|e| e.held).collect();
+        s.owed += drained.len();
+        drop(s);
+        self.changed.notify_waiters_after_locked_change();
+        self.wake.notify_one();
+        drained
+            .into_iter()
+            .map(|held| {
+                held.mark_lost(LossCause::Shutdown);
+                OwedRelease::new(Arc::clone(self), held.lease.clone())
+            })
+            .collect()
     }
 
     /// Owes the release of a lease that was never registered (taken after
@@ -416,7 +402,7 @@ impl Registry {
     }
 
     /// Records that an owed release was answered (`ok`) or failed or was
-    /// given up.
+    /// given up. Called by [`OwedRelease`] only.
     pub(crate) fn release_settled(&self, ok: bool) {
         let mut s = self.lock();
         s.owed -= 1;
@@ -427,19 +413,13 @@ impl Registry {
         self.changed.notify_waiters_after_locked_change();
     }
 
-    /// Wakes whoever waits in [`wait_until`](Self::wait_until), after a
-    /// change made through [`lock`](Self::lock).
-    pub(crate) fn notify_changed(&self) {
-        self.changed.notify_waiters_after_locked_change();
-    }
-
     /// How many locks are held, by callbacks and handles.
     pub(crate) fn len(&self) -> usize {
         self.lock().entries.len()
     }
 
     /// Resolves once `done` holds for the registry's state.
-    pub(crate) async fn wait_until(&self, done: impl Fn(&State) -> bool) {
+    async fn wait_until(&self, done: impl Fn(&State) -> bool) {
         self.changed
             .wait_until(move || done(&self.lock()).then_some(()))
             .await;
@@ -465,29 +445,6 @@ impl Registry {
     /// Refuses new locks from now on; held ones are still extended.
     pub(crate) fn close_to_new(&self) {
         self.lock().no_new = true;
-    }
-
-    /// Takes out every lock still held, marks each lost with `cause`, and
-    /// returns their releases, owed from now on.
-    pub(crate) fn drain(self: &Arc<Self>, cause: &LossCause) -> Vec<OwedRelease> {
-        let mut s = self.lock();
-        s.no_new = true;
-        s.closed = true;
-        s.schedule.clear();
-        s.unscheduled.clear();
-        s.callbacks = 0;
-        let drained: Vec<Arc<HeldLock>> = s.entries.drain().into_iter().map(|e| e.held).collect();
-        s.owed += drained.len();
-        drop(s);
-        self.changed.notify_waiters_after_locked_change();
-        self.wake.notify_one();
-        drained
-            .into_iter()
-            .map(|held| {
-                held.mark_lost(cause.clone());
-                OwedRelease::new(Arc::clone(self), held.lease.clone())
-            })
-            .collect()
     }
 
     /// Runs `task` in the background: on the current runtime, else on the
@@ -516,7 +473,129 @@ impl Drop for Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::OwnerToken;
+    use crate::backend::{
+        AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Hold, LockBackend, OwnerToken,
+    };
+    use crate::notify::ReleaseWatch;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Answers every step at once; counts the releases sent.
+    #[derive(Debug, Default)]
+    struct Counting {
+        releases: AtomicUsize,
+    }
+
+    #[async_trait::async_trait]
+    impl LockBackend for Counting {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::default()
+        }
+        async fn try_acquire(
+            &self,
+            _: &str,
+            _: &OwnerToken,
+            _: Duration,
+        ) -> Result<AcquireOutcome, BackendError> {
+            Ok(AcquireOutcome::Acquired { fencing_token: 1 })
+        }
+        async fn extend(&self, _: &Lease, _: Duration) -> Result<ExtendOutcome, BackendError> {
+            Ok(ExtendOutcome::Extended)
+        }
+        async fn extend_many(
+            &self,
+            requests: &[ExtendRequest],
+        ) -> Vec<Result<ExtendOutcome, BackendError>> {
+            vec![Ok(ExtendOutcome::Extended); requests.len()]
+        }
+        fn failure_domain(&self, _: &str) -> u64 {
+            0
+        }
+        async fn release(&self, _: &Lease) -> Result<ReleaseOutcome, BackendError> {
+            self.releases.fetch_add(1, Ordering::Relaxed);
+            Ok(ReleaseOutcome::Released)
+        }
+        async fn hold(&self, _: &Lease, _: Hold) -> Result<ExtendOutcome, BackendError> {
+            Ok(ExtendOutcome::Extended)
+        }
+        async fn watch_release(&self, _: &str) -> Result<ReleaseWatch, BackendError> {
+            Err(BackendError::message(
+                crate::error::BackendErrorKind::Protocol,
+                "no notifications",
+            ))
+        }
+    }
+
+    fn handle_lock(registry: &Arc<Registry>, key: &str) -> (u64, Arc<HeldLock>) {
+        let lease = Lease::new(key, OwnerToken::new("n"), 1);
+        let held = Arc::new(HeldLock::new(
+            0,
+            lease,
+            Duration::from_secs(30),
+            Instant::now(),
+            Holder::Handle,
+            Meter::new("test", false),
+        ));
+        let id = registry.insert(Arc::clone(&held)).unwrap();
+        (id, held)
+    }
+
+    /// Every ending takes the lock out once, owes exactly what it says and
+    /// marks the record as it says; a second ending of the same lock finds
+    /// nothing.
+    #[tokio::test]
+    async fn every_ending_owes_and_marks_what_it_says_once() {
+        let backend = Arc::new(Counting::default());
+        let dyn_backend: Arc<DynLockBackend> = backend.clone();
+        let registry = Arc::new(Registry::new(dyn_backend, Meter::new("test", false)));
+        let releases = || backend.releases.load(Ordering::Relaxed);
+
+        let (released, r) = handle_lock(&registry, "released");
+        let owed = registry.end(released, Ending::Released).unwrap();
+        assert_eq!(registry.release_counts().0, 1, "owed until answered");
+        assert!(registry.end(released, Ending::Dropped).is_none());
+        assert_eq!(
+            registry.release_counts().0,
+            1,
+            "a second ending owes nothing"
+        );
+        let answer = owed.send().await;
+        settle_release(&r, Some(&answer), Instant::now());
+        assert_eq!(registry.release_counts().0, 0);
+        assert!(r.is_ended() && r.loss_cause().is_none());
+
+        let (dropped, d) = handle_lock(&registry, "dropped");
+        let before = releases();
+        assert!(registry.end(dropped, Ending::Dropped).is_none());
+        assert!(d.is_ended());
+        assert_eq!(releases(), before + 1, "released in the background");
+        assert_eq!(registry.release_counts().0, 0, "and settled");
+
+        let (lost, l) = handle_lock(&registry, "lost");
+        let before = releases();
+        assert!(registry.end(lost, Ending::Lost(LossCause::Taken)).is_none());
+        assert!(matches!(l.loss_cause(), Some(LossCause::Taken)));
+        assert_eq!(registry.release_counts().0, 0, "a loss owes nothing");
+        assert_eq!(releases(), before, "and sends nothing");
+
+        let (held, _) = handle_lock(&registry, "held");
+        let owed = registry.end(held, Ending::LeftToMinimum).unwrap();
+        assert_eq!(registry.release_counts().0, 1);
+        owed.settled_by_hold(true);
+        assert_eq!(registry.release_counts().0, 0);
+
+        let (_, s) = handle_lock(&registry, "shutdown");
+        assert_eq!(registry.len(), 1);
+        let owed = registry.end_all_for_shutdown();
+        assert_eq!((owed.len(), registry.len()), (1, 0));
+        assert!(matches!(s.loss_cause(), Some(LossCause::Shutdown)));
+        assert_eq!(registry.release_counts().0, 1);
+        drop(owed);
+        assert_eq!(registry.release_counts(), (0, 1), "given up while closing");
+        assert!(
+            registry.insert(Arc::clone(&s)).is_none(),
+            "none taken after"
+        );
+    }
 
     fn entry() -> Entry {
         let lease = Lease::new("k", OwnerToken::new("n"), 1);
@@ -530,10 +609,7 @@ mod tests {
         );
         Entry {
             held: Arc::new(held),
-            due: None,
-            backoff: Duration::ZERO,
-            last_error: None,
-            recheck: false,
+            plan: Plan::default(),
         }
     }
 

@@ -43,6 +43,34 @@ impl OwedRelease {
         self
     }
 
+    /// Sends the release to a backend that answers at once
+    /// ([`LockBackend::release_now`](crate::LockBackend::release_now)):
+    /// then the answer, settled. Else the release, still owed, with the
+    /// failed answer if there was one (to hand to
+    /// [`send_until`](Self::send_until)).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn at_once(
+        mut self,
+        now: Instant,
+    ) -> Result<Result<ReleaseOutcome, BackendError>, (Self, Option<BackendError>)> {
+        match self.registry.backend.release_now(&self.lease, now) {
+            Some(Ok(outcome)) => {
+                tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
+                self.settled = true;
+                self.registry.release_settled(true);
+                Ok(Ok(outcome))
+            }
+            answer => Err((self, answer.and_then(Result::err))),
+        }
+    }
+
+    /// Settles the debt of a lock left to its minimum hold, whose step
+    /// answered (`ok`) or failed, without a release.
+    pub(crate) fn settled_by_hold(mut self, ok: bool) {
+        self.settled = true;
+        self.registry.release_settled(ok);
+    }
+
     /// Sends the release and waits for the store's answer.
     pub(crate) async fn send(self) -> Result<ReleaseOutcome, BackendError> {
         let now = Instant::now();

@@ -6,7 +6,6 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::error::LossCause;
 use crate::locker::Locker;
 
 /// Whether shutdown began, and a way to wait for it.
@@ -61,7 +60,7 @@ impl Locker {
     ///
     /// - Calls whose lock is released this way return
     ///   [`LockError::Lost`](crate::LockError::Lost) with
-    ///   [`LossCause::Shutdown`].
+    ///   [`LossCause::Shutdown`](crate::LossCause::Shutdown).
     /// - When it returns, every release the node owes has been answered by
     ///   the store or has failed: the locks shutdown released, and those of
     ///   callbacks that finished, handles, `Mutex`es and drops whose
@@ -87,7 +86,7 @@ impl Locker {
             .await
             .is_ok();
         let deadline = Instant::now() + inner.options.release_timeout;
-        let drained = registry.drain(&LossCause::Shutdown);
+        let drained = registry.end_all_for_shutdown();
         let released = drained.len();
         let own = futures_util::future::join_all(drained.into_iter().map(|r| r.send()));
         let clean_up = registry.cleanup.final_pass();
