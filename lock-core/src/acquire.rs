@@ -307,8 +307,8 @@ impl<'a> Holding<'a> {
                         // found by a check within the bound (or by the
                         // extension due by then); after that each
                         // notification is checked at once, at most one
-                        // per watch delay (on etcd a waiter's busy attempt
-                        // also notifies).
+                        // per watch delay (a watch broken and rebuilt
+                        // wakes every watcher).
                         let mut within = FIRST_CHECK_WITHIN;
                         while inner.registry.check_within(id, within) {
                             within = Duration::ZERO;

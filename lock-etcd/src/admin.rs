@@ -25,6 +25,14 @@ use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECO
 ///   since it was read) and revokes its lease, only when its value is a
 ///   withlock owner token \[D2\]: a holder of another client is refused.
 ///   The deletion reaches every waiter's watch.
+///
+/// `inspect` and `force_release` each end within the step timeout
+/// ([`EtcdConfig::step_timeout`](crate::EtcdConfig::step_timeout)) with a
+/// [`Timeout`](lock_core::BackendErrorKind::Timeout) error; `list_locks`
+/// bounds each of its requests by it (the list reads one lease per held
+/// lock), not the whole. A `force_release` that timed out before its
+/// delete was sent changed nothing; one cut off after it may or may not
+/// have freed the lock (read it again with `inspect`).
 #[async_trait]
 impl LockAdmin for EtcdBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
@@ -33,11 +41,16 @@ impl LockAdmin for EtcdBackend {
         } else {
             GetOptions::new().with_prefix()
         };
+        // Each request has its own step timeout, not the whole list: it
+        // reads one lease per held lock.
         let read = self
-            .call(Again::Yes, |mut client| {
-                let options = options.clone();
-                async move { client.get(prefix, Some(options)).await }
-            })
+            .step(
+                "list_locks",
+                self.call(Again::Yes, |mut client| {
+                    let options = options.clone();
+                    async move { client.get(prefix, Some(options)).await }
+                }),
+            )
             .await?;
         let mut holders: BTreeMap<String, KeyValue> = BTreeMap::new();
         for kv in read.kvs() {
@@ -59,31 +72,63 @@ impl LockAdmin for EtcdBackend {
         }
         let mut infos = Vec::with_capacity(holders.len());
         for (name, kv) in holders {
-            infos.push(self.info(name, &kv).await?);
+            infos.push(self.step("list_locks", self.info(name, &kv)).await?);
         }
         Ok(infos)
     }
 
     async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
-        match self.holder(key).await? {
-            Some(kv) => self.info(key.to_owned(), &kv).await,
-            None => {
-                let record = self
-                    .call(Again::Yes, |mut client| async move {
-                        client.get(record_key(key), None).await
-                    })
-                    .await?;
-                let token = record
-                    .kvs()
-                    .first()
-                    .and_then(|kv| std::str::from_utf8(kv.value()).ok())
-                    .and_then(|text| text.parse().ok());
-                Ok(LockInfo::free(key).with_fencing_token(token))
+        self.step("inspect", async {
+            match self.holder(key).await? {
+                Some(kv) => self.info(key.to_owned(), &kv).await,
+                None => {
+                    let record = self
+                        .call(Again::Yes, |mut client| async move {
+                            client.get(record_key(key), None).await
+                        })
+                        .await?;
+                    let token = record
+                        .kvs()
+                        .first()
+                        .and_then(|kv| std::str::from_utf8(kv.value()).ok())
+                        .and_then(|text| text.parse().ok());
+                    Ok(LockInfo::free(key).with_fencing_token(token))
+                }
             }
-        }
+        })
+        .await
     }
 
     async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
+        let after = self.config().step_timeout;
+        let freed = tokio::time::timeout(after, self.delete_holder(key))
+            .await
+            .map_err(|_| BackendError::timeout("force_release", after))??;
+        let Some((info, lease)) = freed else {
+            return Ok(None);
+        };
+        // The key is gone: the lease's revoke is tidying only, so its
+        // failure (or its own timeout) does not undo the answer.
+        let revoked = self
+            .step(
+                "force_release",
+                self.call(Again::Yes, |mut client| async move {
+                    client.lease_revoke(lease).await
+                }),
+            )
+            .await;
+        if let Err(error) = revoked {
+            tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
+        }
+        Ok(Some(info))
+    }
+}
+
+impl EtcdBackend {
+    /// Force release's deletion: the holder's key, if it is a withlock
+    /// lock and has not changed since it was read; gives what it freed
+    /// and the key's lease.
+    async fn delete_holder(&self, key: &str) -> Result<Option<(LockInfo, i64)>, AdminError> {
         // A holder that changes between the read and the delete is read
         // again; three times is plenty for a name held by people.
         for _ in 0..3 {
@@ -119,13 +164,7 @@ impl LockAdmin for EtcdBackend {
                 })
                 .await?;
             if answer.succeeded() {
-                let lease = kv.lease();
-                let _ = self
-                    .call(Again::Yes, |mut client| async move {
-                        client.lease_revoke(lease).await
-                    })
-                    .await;
-                return Ok(Some(info));
+                return Ok(Some((info, kv.lease())));
             }
         }
         Err(AdminError::Backend(BackendError::message(
@@ -133,9 +172,7 @@ impl LockAdmin for EtcdBackend {
             "the holder changed three times while it was being freed",
         )))
     }
-}
 
-impl EtcdBackend {
     /// The contender of `name` with the lowest create revision.
     async fn holder(&self, name: &str) -> Result<Option<KeyValue>, BackendError> {
         let (start, end) = contender_range(name);

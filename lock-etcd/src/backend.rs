@@ -251,7 +251,7 @@ impl EtcdBackend {
     }
 
     /// Runs one step within the step timeout.
-    async fn step<T>(
+    pub(crate) async fn step<T>(
         &self,
         name: &'static str,
         work: impl Future<Output = Result<T, BackendError>>,
