@@ -5,12 +5,8 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
-use lock_core::{
-    AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome, ExtendRequest,
-    Hold, Lease, LockBackend, LockContext, OwnerToken, ReleaseOutcome, ReleaseWatch,
-};
+use lock_core::{BackendError, BackendErrorKind, Lease, LockBackend, LockContext, ReleaseOutcome};
 use tokio::time::Instant;
 
 use crate::event::{now_us, ReleaseAnswer, ReleaseTrace};
@@ -109,55 +105,12 @@ impl<B> Traced<B> {
     }
 }
 
-#[lock_core::async_trait]
-impl<B: LockBackend> LockBackend for Traced<B> {
-    fn capabilities(&self) -> Capabilities {
-        self.backend.capabilities()
-    }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        self.backend.try_acquire(key, owner, ttl).await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
-        self.backend.extend(lease, ttl).await
-    }
-
-    async fn extend_many(
-        &self,
-        requests: &[ExtendRequest],
-    ) -> Vec<Result<ExtendOutcome, BackendError>> {
-        self.backend.extend_many(requests).await
-    }
-
-    fn failure_domain(&self, key: &str) -> u64 {
-        self.backend.failure_domain(key)
-    }
-
+lock_core::forward_lock_backend!(impl<B: LockBackend> Traced<B> => backend {
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.traces.sent(lease);
         let answer = self.backend.release(lease).await;
         self.traces.answered(lease, &answer);
         answer
-    }
-
-    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
-        self.backend.hold(lease, hold).await
-    }
-
-    fn try_acquire_now(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-        now: Instant,
-    ) -> Option<Result<AcquireOutcome, BackendError>> {
-        self.backend.try_acquire_now(key, owner, ttl, now)
     }
 
     fn release_now(
@@ -172,8 +125,4 @@ impl<B: LockBackend> LockBackend for Traced<B> {
         self.traces.answered(lease, &answer);
         Some(answer)
     }
-
-    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        self.backend.watch_release(key).await
-    }
-}
+});

@@ -7,11 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, DynLockBackend, ExtendOutcome,
-    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
-};
-use tokio::time::Instant;
+use lock_core::{Capabilities, DynLockBackend};
 
 use crate::support::{AdminStore, BackendFactory};
 
@@ -81,63 +77,8 @@ impl MinTtl {
     }
 }
 
-#[async_trait]
-impl LockBackend for MinTtl {
+lock_core::forward_lock_backend!(MinTtl => inner {
     fn capabilities(&self) -> Capabilities {
         self.capabilities
     }
-
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        self.inner.try_acquire(key, owner, ttl).await
-    }
-
-    async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
-        self.inner.extend(lease, ttl).await
-    }
-
-    async fn extend_many(
-        &self,
-        requests: &[ExtendRequest],
-    ) -> Vec<Result<ExtendOutcome, BackendError>> {
-        self.inner.extend_many(requests).await
-    }
-
-    fn failure_domain(&self, key: &str) -> u64 {
-        self.inner.failure_domain(key)
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        self.inner.release(lease).await
-    }
-
-    async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
-        self.inner.hold(lease, hold).await
-    }
-
-    fn try_acquire_now(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-        now: Instant,
-    ) -> Option<Result<AcquireOutcome, BackendError>> {
-        self.inner.try_acquire_now(key, owner, ttl, now)
-    }
-
-    fn release_now(
-        &self,
-        lease: &Lease,
-        now: Instant,
-    ) -> Option<Result<ReleaseOutcome, BackendError>> {
-        self.inner.release_now(lease, now)
-    }
-
-    async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-        self.inner.watch_release(key).await
-    }
-}
+});

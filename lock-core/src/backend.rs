@@ -570,8 +570,11 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 }
 
 /// Implements [`LockBackend`] for a type by forwarding every step to a
-/// backend it holds, for wrappers whose only job is to keep something alive
-/// as long as the backend lives (a test namespace, a scratch schema):
+/// backend it holds, except the steps written out in the call.
+///
+/// A wrapper whose only job is to keep something alive as long as the
+/// backend lives (a test namespace, a scratch schema) names the field that
+/// holds the backend:
 ///
 /// ```
 /// use lock_memory::MemoryBackend;
@@ -587,20 +590,207 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 /// let _locker = lock_core::Locker::new(Scratch { backend: MemoryBackend::new(), _cleanup: Vec::new() });
 /// ```
 ///
-/// A wrapper that changes what a step does implements the trait itself.
+/// A wrapper that changes some steps writes them in braces after the
+/// field, as it would in `impl LockBackend for …` (an `async fn` as
+/// [`async_trait`](crate::async_trait) takes it); every other step is
+/// forwarded. A generic wrapper starts with `impl<…>`:
+///
+/// ```
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::time::Duration;
+///
+/// use lock_core::{BackendError, Capabilities, Lease, LockBackend, Locker, ReleaseOutcome};
+/// use lock_memory::MemoryBackend;
+/// use tokio::time::Instant;
+///
+/// /// Asks the store for leases of a second at least.
+/// #[derive(Debug)]
+/// struct AtLeastASecond {
+///     inner: MemoryBackend,
+/// }
+///
+/// lock_core::forward_lock_backend!(AtLeastASecond => inner {
+///     fn capabilities(&self) -> Capabilities {
+///         let capabilities = self.inner.capabilities();
+///         capabilities.with_min_ttl(capabilities.min_ttl.max(Duration::from_secs(1)))
+///     }
+/// });
+///
+/// /// Counts the releases sent to the backend it wraps.
+/// #[derive(Debug)]
+/// struct CountReleases<B> {
+///     backend: B,
+///     releases: AtomicUsize,
+/// }
+///
+/// lock_core::forward_lock_backend!(impl<B: LockBackend> CountReleases<B> => backend {
+///     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
+///         self.releases.fetch_add(1, Ordering::Relaxed);
+///         self.backend.release(lease).await
+///     }
+///
+///     // The driver tries a fast path before its step, and a forwarded
+///     // one would skip the count: this wrapper has none.
+///     fn release_now(
+///         &self,
+///         _lease: &Lease,
+///         _now: Instant,
+///     ) -> Option<Result<ReleaseOutcome, BackendError>> {
+///         None
+///     }
+/// });
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let wide = AtLeastASecond { inner: MemoryBackend::new() };
+/// assert_eq!(wide.capabilities().min_ttl, Duration::from_secs(1));
+///
+/// let counted = std::sync::Arc::new(CountReleases {
+///     backend: wide,
+///     releases: AtomicUsize::new(0),
+/// });
+/// let locker = Locker::new(std::sync::Arc::clone(&counted));
+/// locker.with_lock("k", |_| async {}).await.unwrap();
+/// assert_eq!(counted.releases.load(Ordering::Relaxed), 1);
+/// assert_eq!(counted.capabilities().min_ttl, Duration::from_secs(1));
+/// # }
+/// ```
+///
+/// A step written out replaces the forwarded one alone: a wrapper that
+/// changes `try_acquire` or `release` also writes the matching fast path
+/// (`try_acquire_now`, `release_now`), or the driver may take the wrapped
+/// backend's and never call the step.
 #[macro_export]
 macro_rules! forward_lock_backend {
-    ($ty:ty => $field:ident) => {
-        $crate::forward_lock_backend!(@impl [] $ty, this => &this.$field);
+    // `impl<…>`: the generics are gathered up to their closing `>`, counting
+    // the `<` inside them (one `+` per level).
+    (impl < $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@generics [] [] $($rest)*);
     };
-    (@impl [$($generics:tt)*] $ty:ty, $this:ident => $inner:expr) => {
+    (@generics [$($generics:tt)*] [] > $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@field [$($generics)*] $($rest)*);
+    };
+    (@generics [$($generics:tt)*] [$($depth:tt)*] < $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@generics [$($generics)* <] [+ $($depth)*] $($rest)*);
+    };
+    (@generics [$($generics:tt)*] [+ $($depth:tt)*] > $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@generics [$($generics)* >] [$($depth)*] $($rest)*);
+    };
+    (@generics [$($generics:tt)*] [+ $($depth:tt)*] >> $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@generics [$($generics)* >] [$($depth)*] > $($rest)*);
+    };
+    (@generics [$($generics:tt)*] $depth:tt $next:tt $($rest:tt)*) => {
+        $crate::forward_lock_backend!(@generics [$($generics)* $next] $depth $($rest)*);
+    };
+    (@field [$($generics:tt)*] $ty:ty => $field:ident $({ $($steps:tt)* })?) => {
+        $crate::forward_lock_backend!(
+            @impl [$($generics)*] $ty, this => &this.$field; $($($steps)*)?
+        );
+    };
+
+    // The form for a backend that is reached through an expression of
+    // `$this` (a smart pointer's `&**this`), as for `Arc<T>` here.
+    (@impl [$($generics:tt)*] $ty:ty, $this:ident => $inner:expr $(; $($steps:tt)*)?) => {
+        $crate::forward_lock_backend!(
+            @steps [[$($generics)*] [$ty] $this [$inner]] [] [] $($($steps)*)?
+        );
+    };
+
+    // The steps written out, kept as they are and named.
+    (@steps $ctx:tt [$($items:tt)*] [$($names:ident)*]
+        $(#[$attr:meta])* async fn $name:ident $params:tt $(-> $ret:ty)? $body:block
+        $($rest:tt)*
+    ) => {
+        $crate::forward_lock_backend!(
+            @steps $ctx
+            [$($items)* $(#[$attr])* async fn $name $params $(-> $ret)? $body]
+            [$($names)* $name]
+            $($rest)*
+        );
+    };
+    (@steps $ctx:tt [$($items:tt)*] [$($names:ident)*]
+        $(#[$attr:meta])* fn $name:ident $params:tt $(-> $ret:ty)? $body:block
+        $($rest:tt)*
+    ) => {
+        $crate::forward_lock_backend!(
+            @steps $ctx
+            [$($items)* $(#[$attr])* fn $name $params $(-> $ret)? $body]
+            [$($names)* $name]
+            $($rest)*
+        );
+    };
+    (@steps $ctx:tt $items:tt $names:tt) => {
+        $crate::forward_lock_backend!(
+            @forward $ctx $items $names
+            [
+                capabilities try_acquire extend extend_many failure_domain release hold
+                watch_release try_acquire_now release_now
+            ]
+        );
+    };
+
+    // Each step of the trait in turn: forwarded unless written out.
+    (@forward [[$($generics:tt)*] [$ty:ty] $this:ident [$inner:expr]] [$($items:tt)*] $names:tt []) => {
         #[$crate::async_trait]
         impl<$($generics)*> $crate::LockBackend for $ty {
+            $($items)*
+        }
+    };
+    (@forward $ctx:tt $items:tt $names:tt [$step:ident $($steps:ident)*]) => {
+        $crate::forward_lock_backend!(@written $step $names $ctx $items $names [$($steps)*]);
+    };
+    (@written capabilities [capabilities $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written try_acquire [try_acquire $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written extend [extend $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written extend_many [extend_many $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written failure_domain [failure_domain $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written release [release $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written hold [hold $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written watch_release [watch_release $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written try_acquire_now [try_acquire_now $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written release_now [release_now $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written $step:ident [$other:ident $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@written $step [$($more)*] $ctx $items $names $steps);
+    };
+    (@written $step:ident [] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forwarded $step $ctx $items $names $steps);
+    };
+
+    // The forwarding body of each step.
+    (@forwarded capabilities
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             fn capabilities(&self) -> $crate::Capabilities {
                 let $this = self;
                 $crate::LockBackend::capabilities($inner)
             }
-
+        ] $names $steps);
+    };
+    (@forwarded try_acquire
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn try_acquire(
                 &self,
                 key: &str,
@@ -610,7 +800,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::try_acquire($inner, key, owner, ttl).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded extend
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn extend(
                 &self,
                 lease: &$crate::Lease,
@@ -619,7 +814,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::extend($inner, lease, ttl).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded extend_many
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn extend_many(
                 &self,
                 requests: &[$crate::ExtendRequest],
@@ -628,12 +828,22 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::extend_many($inner, requests).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded failure_domain
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             fn failure_domain(&self, key: &str) -> u64 {
                 let $this = self;
                 $crate::LockBackend::failure_domain($inner, key)
             }
-
+        ] $names $steps);
+    };
+    (@forwarded release
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn release(
                 &self,
                 lease: &$crate::Lease,
@@ -641,7 +851,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::release($inner, lease).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded hold
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn hold(
                 &self,
                 lease: &$crate::Lease,
@@ -650,7 +865,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::hold($inner, lease, hold).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded watch_release
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             async fn watch_release(
                 &self,
                 key: &str,
@@ -658,7 +878,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::watch_release($inner, key).await
             }
-
+        ] $names $steps);
+    };
+    (@forwarded try_acquire_now
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             fn try_acquire_now(
                 &self,
                 key: &str,
@@ -671,7 +896,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::try_acquire_now($inner, key, owner, ttl, now)
             }
-
+        ] $names $steps);
+    };
+    (@forwarded release_now
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
             fn release_now(
                 &self,
                 lease: &$crate::Lease,
@@ -682,7 +912,12 @@ macro_rules! forward_lock_backend {
                 let $this = self;
                 $crate::LockBackend::release_now($inner, lease, now)
             }
-        }
+        ] $names $steps);
+    };
+
+    // `Wrapper => field` and `Wrapper => field { steps }`.
+    ($ty:ty => $field:ident $({ $($steps:tt)* })?) => {
+        $crate::forward_lock_backend!(@field [] $ty => $field $({ $($steps)* })?);
     };
 }
 

@@ -31,12 +31,16 @@
 use std::error::Error;
 use std::time::{Duration, Instant};
 
+use bench_support::{median, percentile, rotating_rounds, round_ratios, Spread};
 use lock_etcd::etcd_client::{
     Client, Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
     TxnOpResponse,
 };
 use lock_etcd::testing::EtcdCluster;
 use lock_etcd::{EtcdBackend, EtcdConfig, LockConfig, Locker, LockerOptions};
+
+#[path = "../../bench-support/bench_support.rs"]
+mod bench_support;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -140,16 +144,6 @@ impl Clients {
     }
 }
 
-fn median<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    v[v.len() / 2]
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
-}
-
 /// A random namespace for this run's names.
 fn namespace() -> String {
     format!("bench-etcd-{:08x}", rand::random::<u32>())
@@ -165,22 +159,16 @@ async fn cycle(clients: &Clients, ns: &str) -> Result<(), BoxError> {
             clients.cycle(kind, &name, owner).await?;
         }
     }
-    let mut samples = vec![Vec::new(); Kind::ALL.len()];
-    for round in 0..ROUNDS {
-        for step in 0..Kind::ALL.len() {
-            let i = (round + step) % Kind::ALL.len();
-            let started = Instant::now();
-            for _ in 0..N {
-                clients.cycle(Kind::ALL[i], &name, owner).await?;
-            }
-            samples[i].push(started.elapsed() / N);
+    let name = &name;
+    let samples = rotating_rounds(Kind::ALL.len(), ROUNDS, |i| async move {
+        let started = Instant::now();
+        for _ in 0..N {
+            clients.cycle(Kind::ALL[i], name, owner).await?;
         }
-    }
-    let ratios: Vec<f64> = samples[1]
-        .iter()
-        .zip(&samples[0])
-        .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
-        .collect();
+        Ok::<_, BoxError>(started.elapsed() / N)
+    })
+    .await?;
+    let ratios = round_ratios(&samples[1], &samples[0]);
     println!(
         "P8 uncontended cycle, {ROUNDS} rounds of {N} cycles per kind, order alternating; \
          medians (target with_lock <= 1.10x by hand):"
@@ -188,13 +176,7 @@ async fn cycle(clients: &Clients, ns: &str) -> Result<(), BoxError> {
     for (kind, s) in Kind::ALL.into_iter().zip(&samples) {
         println!("  {:<50} {:>10.1?}", kind.name(), median(s.clone()));
     }
-    let (low, high) = ratios
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
-    println!(
-        "  with_lock / by hand: {:.3}x (rounds {low:.3}x to {high:.3}x)",
-        median(ratios.clone())
-    );
+    Spread::of(&ratios).print("with_lock / by hand");
     Ok(())
 }
 
@@ -223,19 +205,14 @@ async fn tasks(clients: &Clients, ns: &str) -> Result<(), BoxError> {
         run(kind).await?;
     }
     let cycles = f64::from(CYCLES) * TASKS as f64;
-    let mut samples = vec![Vec::new(); Kind::ALL.len()];
-    let mut ratios = Vec::new();
-    for round in 0..ROUNDS {
-        let mut rates = [0.0; 2];
-        for step in 0..Kind::ALL.len() {
-            let i = (round + step) % Kind::ALL.len();
-            let started = Instant::now();
-            run(Kind::ALL[i]).await?;
-            rates[i] = cycles / started.elapsed().as_secs_f64();
-            samples[i].push(rates[i]);
-        }
-        ratios.push(rates[1] / rates[0]);
-    }
+    let run = &run;
+    let samples = rotating_rounds(Kind::ALL.len(), ROUNDS, |i| async move {
+        let started = Instant::now();
+        run(Kind::ALL[i]).await?;
+        Ok::<_, BoxError>(cycles / started.elapsed().as_secs_f64())
+    })
+    .await?;
+    let ratios = round_ratios(&samples[1], &samples[0]);
     println!(
         "P8 {TASKS} tasks on distinct names, {ROUNDS} rounds, order alternating; medians \
          (target with_lock >= 0.85x by hand):"
@@ -243,13 +220,7 @@ async fn tasks(clients: &Clients, ns: &str) -> Result<(), BoxError> {
     for (kind, s) in Kind::ALL.into_iter().zip(&samples) {
         println!("  {:<50} {:>7.0} cycles/s", kind.name(), median(s.clone()));
     }
-    let (low, high) = ratios
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
-    println!(
-        "  with_lock / by hand: {:.3}x (rounds {low:.3}x to {high:.3}x)",
-        median(ratios.clone())
-    );
+    Spread::of(&ratios).print("with_lock / by hand");
     Ok(())
 }
 

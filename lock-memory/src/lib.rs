@@ -491,50 +491,7 @@ mod tests {
         held_seen: std::sync::Mutex<Vec<usize>>,
     }
 
-    #[async_trait]
-    impl LockBackend for CallsBack {
-        fn capabilities(&self) -> Capabilities {
-            self.backend.capabilities()
-        }
-        async fn try_acquire(
-            &self,
-            key: &str,
-            owner: &OwnerToken,
-            ttl: Duration,
-        ) -> Result<AcquireOutcome, BackendError> {
-            self.backend.try_acquire(key, owner, ttl).await
-        }
-        async fn extend(
-            &self,
-            lease: &Lease,
-            ttl: Duration,
-        ) -> Result<ExtendOutcome, BackendError> {
-            self.backend.extend(lease, ttl).await
-        }
-        async fn extend_many(
-            &self,
-            requests: &[ExtendRequest],
-        ) -> Vec<Result<ExtendOutcome, BackendError>> {
-            self.backend.extend_many(requests).await
-        }
-        fn failure_domain(&self, key: &str) -> u64 {
-            self.backend.failure_domain(key)
-        }
-        async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-            self.backend.release(lease).await
-        }
-        async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
-            self.backend.hold(lease, hold).await
-        }
-        fn try_acquire_now(
-            &self,
-            key: &str,
-            owner: &OwnerToken,
-            ttl: Duration,
-            now: Instant,
-        ) -> Option<Result<AcquireOutcome, BackendError>> {
-            self.backend.try_acquire_now(key, owner, ttl, now)
-        }
+    lock_core::forward_lock_backend!(CallsBack => backend {
         fn release_now(
             &self,
             lease: &Lease,
@@ -547,10 +504,7 @@ mod tests {
             }
             self.backend.release_now(lease, now)
         }
-        async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
-            self.backend.watch_release(key).await
-        }
-    }
+    });
 
     #[test]
     fn the_fast_paths_run_with_none_of_the_lockers_locks_held() {

@@ -17,10 +17,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bench_support::{percentile, Spread};
 use lock_core::{LockConfig, Locker, LockerOptions, OwnerToken};
 use lock_postgres::testing::{database_url, TestBackend};
 use lock_postgres::PostgresConfig;
 use tokio::time::Instant;
+
+#[path = "../../bench-support/bench_support.rs"]
+mod bench_support;
 
 const ROUNDS: usize = 12;
 const CYCLES_PER_ROUND: usize = 150;
@@ -97,7 +101,7 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
         raw += raw_round;
         round_ratios.push(locked_round.as_secs_f64() / raw_round.as_secs_f64());
     }
-    round_ratios.sort_by(f64::total_cmp);
+    let spread = Spread::of(&round_ratios);
     let n = u32::try_from(ROUNDS * CYCLES_PER_ROUND)?;
     let (per_locked, per_raw) = (locked / n, raw / n);
     println!("P5 uncontended cycle, {n} cycles each, interleaved rounds:");
@@ -111,9 +115,7 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
     // other: the median of the rounds' own ratios shrugs them off.
     println!(
         "  rounds' ratios:       median {:.3}x, from {:.3}x to {:.3}x",
-        round_ratios[ROUNDS / 2],
-        round_ratios[0],
-        round_ratios[ROUNDS - 1]
+        spread.median, spread.low, spread.high
     );
     Ok(())
 }
@@ -153,6 +155,5 @@ async fn handoff(
         samples.push(ran_at - released_at);
     }
     samples.sort();
-    let pick = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
-    Ok((pick(0.50), pick(0.99)))
+    Ok((percentile(&samples, 0.50), percentile(&samples, 0.99)))
 }

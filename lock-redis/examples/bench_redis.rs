@@ -48,11 +48,15 @@ use std::error::Error;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use bench_support::{median, percentile, rotating_rounds, round_ratios};
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, Locker, LockerOptions};
 use lock_redis::testing::{server_url, Namespace};
 use lock_redis::{RedisBackend, RedisConfig};
 use redis::Script;
+
+#[path = "../../bench-support/bench_support.rs"]
+mod bench_support;
 
 const RAW_RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
                            return redis.call('DEL', KEYS[1]) end return 0";
@@ -215,16 +219,6 @@ async fn timed<F: Future<Output = Result<(), BoxError>>>(
     Ok((took, server_cpu(conn).await?.saturating_sub(cpu), client))
 }
 
-fn median<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    v[v.len() / 2]
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i]
-}
-
 /// User + system CPU time of this process, from /proc (Linux).
 fn cpu_time() -> Option<Duration> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
@@ -257,37 +251,28 @@ async fn p1(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
             clients.cycle(kind, &key, value).await?;
         }
     }
-    let kinds = Kind::ALL.len();
+    let key = &key;
     // Per kind: the time and server CPU of each round.
-    let mut samples = vec![(Vec::new(), Vec::new()); kinds];
-    for round in 0..ROUNDS {
-        for step in 0..kinds {
-            let i = (round + step) % kinds;
-            let kind = Kind::ALL[i];
-            let (took, cpu, _) = timed(&clients.conn, async {
-                for _ in 0..N {
-                    clients.cycle(kind, &key, value).await?;
-                }
-                Ok(())
-            })
-            .await?;
-            samples[i].0.push(took / N);
-            samples[i].1.push(cpu / N);
-        }
-    }
+    let samples = rotating_rounds(Kind::ALL.len(), ROUNDS, |i| async move {
+        let kind = Kind::ALL[i];
+        let (took, cpu, _) = timed(&clients.conn, async {
+            for _ in 0..N {
+                clients.cycle(kind, key, value).await?;
+            }
+            Ok(())
+        })
+        .await?;
+        Ok::<_, BoxError>((took / N, cpu / N))
+    })
+    .await?;
+    let (times, cpus): (Vec<Vec<Duration>>, Vec<Vec<Duration>>) = samples
+        .into_iter()
+        .map(|rounds| rounds.into_iter().unzip())
+        .unzip();
     let index = |kind: Kind| Kind::ALL.iter().position(|k| *k == kind).unwrap_or(0);
     let (raw, rslock) = (index(Kind::Raw), index(Kind::Rslock));
     // The median over the rounds of one kind's time over another's.
-    let ratio = |i: usize, base: usize| {
-        median(
-            samples[i]
-                .0
-                .iter()
-                .zip(&samples[base].0)
-                .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
-                .collect(),
-        )
-    };
+    let ratio = |i: usize, base: usize| median(round_ratios(&times[i], &times[base]));
     println!(
         "P1 uncontended cycle, {ROUNDS} rounds of {N} cycles per kind, order rotating; \
          medians of the time and of the rounds' ratios \
@@ -297,10 +282,10 @@ async fn p1(clients: &Clients, ns: &Namespace) -> Result<(), BoxError> {
         println!(
             "  {:<38} {:>10.1?}  {:.3}x raw  {:.3}x rslock  server CPU {:>6.1?}/cycle",
             kind.name(),
-            median(samples[i].0.clone()),
+            median(times[i].clone()),
             ratio(i, raw),
             ratio(i, rslock),
-            median(samples[i].1.clone()),
+            median(cpus[i].clone()),
         );
     }
     Ok(())
