@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use lock_core::{BackendErrorKind, LockBackend, LockConfig, Locker};
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::{authority, server_url, Namespace, RedisServer};
 use lock_redis::{deadpool_redis, redis, RedisBackend, SetupError};
 
 fn closed_port_url() -> String {
@@ -52,12 +52,7 @@ async fn from_url_connects_nothing_and_connect_checks_the_server() {
 #[tokio::test]
 async fn a8_a_database_index_out_of_range_is_a_setup_error() {
     let url = server_url().await;
-    let host = url
-        .split_once("://")
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap()
-        .to_owned();
-    let url = format!("redis://{host}/9999");
+    let url = format!("redis://{}/9999", authority(&url));
     let err = RedisBackend::connect(&url).await.expect_err("no db 9999");
     match &err {
         SetupError::Connect(source) => {
