@@ -57,33 +57,6 @@ pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
 }
 
-/// The authority of `url`: what follows the scheme up to the path, user
-/// and password included (`redis://u:pw@h:1/2` gives `u:pw@h:1`), for a
-/// test that builds another URL to the same server.
-///
-/// # Panics
-///
-/// When `url` has no `scheme://`.
-pub fn authority(url: &str) -> &str {
-    let (_, rest) = url
-        .split_once("://")
-        .unwrap_or_else(|| panic!("no scheme in {url:?}"));
-    rest.split('/').next().unwrap_or(rest)
-}
-
-/// The `host:port` of `url`: its [`authority`] without the user and
-/// password (`redis://u:pw@h:1/2` gives `h:1`).
-///
-/// # Panics
-///
-/// When `url` has no `scheme://`.
-pub fn host_port(url: &str) -> &str {
-    let authority = authority(url);
-    authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host)
-}
-
 /// Whether a Redis server answers `PING` at `url` within a second.
 pub async fn answers(url: &str) -> bool {
     let ping = async {

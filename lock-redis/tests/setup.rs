@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use lock_core::{BackendErrorKind, LockBackend, LockConfig, Locker};
-use lock_redis::testing::{authority, server_url, Namespace, RedisServer};
+use lock_redis::testing::{server_url, Namespace, RedisServer};
 use lock_redis::{deadpool_redis, redis, RedisBackend, SetupError};
 
 fn closed_port_url() -> String {
@@ -52,7 +52,9 @@ async fn from_url_connects_nothing_and_connect_checks_the_server() {
 #[tokio::test]
 async fn a8_a_database_index_out_of_range_is_a_setup_error() {
     let url = server_url().await;
-    let url = format!("redis://{}/9999", authority(&url));
+    let (_, rest) = url.split_once("://").expect("a scheme");
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let url = format!("redis://{authority}/9999");
     let err = RedisBackend::connect(&url).await.expect_err("no db 9999");
     match &err {
         SetupError::Connect(source) => {

@@ -72,7 +72,7 @@ async fn a8_redis_missing_privilege_is_77() {
 #[tokio::test]
 async fn a8_redis_database_index_out_of_range_is_78() {
     let url = lock_redis::testing::server_url().await;
-    let host = lock_redis::testing::authority(&url);
+    let host = common::authority(&url);
     let message = refused(
         &["--url", &format!("redis://{host}/9999"), "--key", "k"],
         78,

@@ -321,11 +321,30 @@ fn args_of(command: &Command) -> String {
         .join(" ")
 }
 
+/// The authority of `url`: what follows the scheme up to the path, user
+/// and password included (`redis://u:pw@h:1/2` gives `u:pw@h:1`), for a
+/// test that builds another URL to the same server.
+pub fn authority(url: &str) -> &str {
+    let (_, rest) = url
+        .split_once("://")
+        .unwrap_or_else(|| panic!("no scheme in {url:?}"));
+    rest.split('/').next().unwrap_or(rest)
+}
+
+/// The `host:port` of `url`: its [`authority`] without the user and
+/// password (`redis://u:pw@h:1/2` gives `h:1`).
+pub fn host_port(url: &str) -> &str {
+    let authority = authority(url);
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host)
+}
+
 /// The `host:port` of each of `urls`, comma-separated, as a multi-host
 /// URL (Sentinel, Cluster) lists them.
 pub fn hosts_of(urls: &[String]) -> String {
     urls.iter()
-        .map(|u| lock_redis::testing::host_port(u))
+        .map(|u| host_port(u.as_str()))
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -522,7 +541,7 @@ impl AclUser {
             cmd.arg(rule);
         }
         let () = cmd.query_async(&mut conn).await.unwrap();
-        let server = lock_redis::testing::host_port(&url).to_owned();
+        let server = host_port(&url).to_owned();
         Self {
             name,
             password,
