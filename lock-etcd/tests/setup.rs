@@ -140,9 +140,14 @@ async fn a8_wrong_credentials_and_missing_rights_are_setup_errors() {
     let root = EtcdBackend::connect(cluster.config().user("root", "root-pw"))
         .await
         .unwrap();
-    let token = Locker::new(root)
+    let root = Locker::new(root);
+    let first = root
         .with_lock("a8-root", |ctx| async move { ctx.fencing_token() })
         .await
         .unwrap();
-    assert!(token > 0);
+    let second = root
+        .with_lock("a8-root", |ctx| async move { ctx.fencing_token() })
+        .await
+        .unwrap();
+    assert!(second > first, "token {second} after {first}");
 }

@@ -141,7 +141,8 @@ async fn a_release_wakes_a_waiter_over_sharded_pub_sub() {
             .unwrap()
             .unwrap();
         let lag = ran_at - released_at;
-        assert!(lag < Duration::from_secs(2), "woken after {lag:?}");
+        // A third of the 30 s retry delay: only a notification is sooner.
+        assert!(lag < Duration::from_secs(10), "woken after {lag:?}");
     }
 }
 

@@ -396,14 +396,14 @@ async fn a_waiter_survives_a_hung_subscription() {
 
     let released_at = Instant::now();
     assert!(within(LIMIT, "release", held.release()).await.unwrap());
-    let ran_at = within(Duration::from_secs(5), "woken waiter", waiter)
+    // Polling alone would take the waiter's 30 s retry delay: a third of
+    // it is only a notification's, however slow the machine.
+    let notified = Duration::from_secs(10);
+    let ran_at = within(notified, "woken waiter", waiter)
         .await
         .unwrap()
         .unwrap();
     let wake = ran_at - released_at;
     eprintln!("waiter woken {wake:?} after the release");
-    assert!(
-        wake < Duration::from_secs(2),
-        "woken {wake:?} after the release"
-    );
+    assert!(wake < notified, "woken {wake:?} after the release");
 }

@@ -52,12 +52,9 @@ async fn from_url_connects_nothing_and_connect_checks_the_server() {
 #[tokio::test]
 async fn a8_a_database_index_out_of_range_is_a_setup_error() {
     let url = server_url().await;
-    let host = url
-        .split_once("://")
-        .and_then(|(_, rest)| rest.split('/').next())
-        .unwrap()
-        .to_owned();
-    let url = format!("redis://{host}/9999");
+    let (_, rest) = url.split_once("://").expect("a scheme");
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let url = format!("redis://{authority}/9999");
     let err = RedisBackend::connect(&url).await.expect_err("no db 9999");
     match &err {
         SetupError::Connect(source) => {

@@ -5,23 +5,25 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{code, finish, stderr, Scratch, Store};
+use common::{run_expecting, stderr, wait_expecting, Scratch, Store};
 
 async fn busy_exits_75_and_the_command_never_runs(store: Store) {
     let key = store.key("busy");
     let (_locker, mut held) = store.hold(&key, "other-host").await;
     let scratch = Scratch::new();
     let started = Instant::now();
-    let output = finish(store.cmd("run").args([
-        "--no-wait",
-        "--key",
-        &key,
-        "--",
-        "touch",
-        &scratch.path("ran").display().to_string(),
-    ]))
+    let output = run_expecting(
+        store.cmd("run").args([
+            "--no-wait",
+            "--key",
+            &key,
+            "--",
+            "touch",
+            &scratch.path("ran").display().to_string(),
+        ]),
+        75,
+    )
     .await;
-    assert_eq!(code(&output), 75, "{}", stderr(&output));
     assert!(!scratch.path("ran").exists(), "the command ran");
     assert!(started.elapsed() < Duration::from_secs(5));
     let message = stderr(&output);
@@ -40,18 +42,20 @@ async fn wait_gives_up_after_about_its_duration(store: Store) {
     let (_locker, mut held) = store.hold(&key, "other-host").await;
     let scratch = Scratch::new();
     let started = Instant::now();
-    let output = finish(store.cmd("run").args([
-        "--wait",
-        "2s",
-        "--key",
-        &key,
-        "--",
-        "touch",
-        &scratch.path("ran").display().to_string(),
-    ]))
+    run_expecting(
+        store.cmd("run").args([
+            "--wait",
+            "2s",
+            "--key",
+            &key,
+            "--",
+            "touch",
+            &scratch.path("ran").display().to_string(),
+        ]),
+        75,
+    )
     .await;
     let took = started.elapsed();
-    assert_eq!(code(&output), 75, "{}", stderr(&output));
     assert!(!scratch.path("ran").exists());
     assert!(
         took >= Duration::from_millis(1700) && took < Duration::from_secs(4),
@@ -87,8 +91,7 @@ async fn a_waiter_runs_once_the_lock_is_free(store: Store) {
     .await;
     assert!(!scratch.path("ran").exists(), "ran while the lock was held");
     held.release().await.unwrap();
-    let output = common::wait(child).await;
-    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    wait_expecting(child, 0).await;
     assert!(scratch.path("ran").exists());
     assert_eq!(store.stored(&key).await.owner, None);
 }

@@ -3,18 +3,18 @@
 
 mod common;
 
-use common::{code, finish, stderr, Scratch, Store};
+use common::{code, finish, run_expecting, stderr, wait_expecting, Scratch, Store};
 
 async fn exit_code_passes_through(store: Store) {
     let key = store.key("exit-code");
     for (script, expected) in [("exit 0", 0), ("exit 3", 3), ("exit 255", 255)] {
-        let output = finish(
+        run_expecting(
             store
                 .cmd("run")
                 .args(["--key", &key, "--", "sh", "-c", script]),
+            expected,
         )
         .await;
-        assert_eq!(code(&output), expected, "{script}: {}", stderr(&output));
     }
     assert_eq!(
         store.stored(&key).await.owner,
@@ -25,13 +25,13 @@ async fn exit_code_passes_through(store: Store) {
 
 async fn death_by_signal_is_128_plus_the_signal(store: Store) {
     let key = store.key("signalled");
-    let output = finish(
+    run_expecting(
         store
             .cmd("run")
             .args(["--key", &key, "--", "sh", "-c", "kill -KILL $$"]),
+        128 + 9,
     )
     .await;
-    assert_eq!(code(&output), 128 + 9, "{}", stderr(&output));
     assert_eq!(store.stored(&key).await.owner, None);
 }
 
@@ -73,8 +73,7 @@ async fn environment_carries_the_lock(store: Store) {
     let owner = stored.owner.expect("held while the command runs");
     assert!(owner.starts_with("env-test-node/"), "{owner}");
     std::fs::write(scratch.path("go"), "").unwrap();
-    let output = common::wait(child).await;
-    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    wait_expecting(child, 0).await;
     assert_eq!(store.stored(&key).await.owner, None, "released at exit");
 }
 
@@ -135,8 +134,7 @@ async fn the_url_is_not_passed_to_the_command(store: Store) {
     command
         .env("WITHLOCK_URL", &url)
         .args(["--key", &key, "--", "sh", "-c", &script]);
-    let output = finish(&mut command).await;
-    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    run_expecting(&mut command, 0).await;
     let env = std::fs::read_to_string(scratch.path("env")).unwrap();
     assert_eq!(env, format!("unset|{key}"));
 }

@@ -6,11 +6,13 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{alive, appears, code, finish, stderr, Scratch, Store};
+use common::{alive, appears, run_expecting, stderr, wait_expecting, Scratch, Store};
 
 /// The holder's ttl puts its first extension 10 s away: a job terminated
-/// within a second of the force release was told by the notification.
-async fn l5_a_force_release_terminates_the_holders_job_within_a_second(store: Store) {
+/// within half of that after the force release was told by the
+/// notification (a wider bound would let the extension pass it; a
+/// narrower one fails on a slow machine).
+async fn l5_a_force_release_terminates_the_holders_job_before_its_next_extension(store: Store) {
     let key = store.key("forced");
     let scratch = Scratch::new();
     let script = format!(
@@ -27,17 +29,15 @@ async fn l5_a_force_release_terminates_the_holders_job_within_a_second(store: St
         .spawn()
         .unwrap();
     let pid: i32 = appears(&scratch.path("pid")).await.trim().parse().unwrap();
-    let released = finish(store.cmd("release").args(["--force", &key])).await;
+    run_expecting(store.cmd("release").args(["--force", &key]), 0).await;
     let released_at = Instant::now();
-    assert_eq!(code(&released), 0, "{}", stderr(&released));
     appears(&scratch.path("term")).await;
     let took = released_at.elapsed();
     assert!(
-        took < Duration::from_secs(1),
+        took < Duration::from_secs(5),
         "the job got SIGTERM {took:?} after the force release (its next extension was 10 s away)"
     );
-    let output = common::wait(holder).await;
-    assert_eq!(code(&output), 79, "{}", stderr(&output));
+    let output = wait_expecting(holder, 79).await;
     assert!(!alive(pid), "the job survived");
     let message = stderr(&output);
     assert!(message.contains("lost the lock"), "{message}");
@@ -47,4 +47,4 @@ async fn l5_a_force_release_terminates_the_holders_job_within_a_second(store: St
     );
 }
 
-on_every_backend!(l5_a_force_release_terminates_the_holders_job_within_a_second,);
+on_every_backend!(l5_a_force_release_terminates_the_holders_job_before_its_next_extension,);

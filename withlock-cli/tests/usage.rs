@@ -3,15 +3,13 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
 use common::{code, finish, stderr, stdout, withlock, Scratch};
 
 /// Runs `withlock ARGS` against an address where nothing listens, so that
-/// a run that touched the backend would end with 69, not 64, and checks
+/// a run that touched the backend would end with 69, not 64 (the exit code
+/// says it, not the time taken, which a busy machine stretches), and checks
 /// the one line of stderr.
 async fn refused(args: &[&str], names: &str) {
-    let started = Instant::now();
     let output = finish(&mut withlock(args)).await;
     let message = stderr(&output);
     assert_eq!(code(&output), 64, "{args:?}: {message}");
@@ -22,10 +20,6 @@ async fn refused(args: &[&str], names: &str) {
         "{args:?} should name {names:?}: {message}"
     );
     assert!(stdout(&output).is_empty());
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{args:?} waited"
-    );
 }
 
 const URL: &str = "redis://127.0.0.1:1";

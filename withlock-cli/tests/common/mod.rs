@@ -294,6 +294,61 @@ pub async fn wait(child: Child) -> Output {
         .unwrap()
 }
 
+/// Runs the command to its end (within [`RUN_BOUND`]) and checks that it
+/// exited with `expected`; the failure shows the arguments and stderr.
+pub async fn run_expecting(command: &mut Command, expected: i32) -> Output {
+    let args = args_of(command);
+    let output = finish(command).await;
+    assert_eq!(code(&output), expected, "{args}: {}", stderr(&output));
+    output
+}
+
+/// Waits for a spawned `withlock` to end (within [`RUN_BOUND`]) and checks
+/// that it exited with `expected`; the failure shows stderr.
+pub async fn wait_expecting(child: Child, expected: i32) -> Output {
+    let output = wait(child).await;
+    assert_eq!(code(&output), expected, "{}", stderr(&output));
+    output
+}
+
+/// The command's arguments, for a failure message.
+fn args_of(command: &Command) -> String {
+    command
+        .as_std()
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The authority of `url`: what follows the scheme up to the path, user
+/// and password included (`redis://u:pw@h:1/2` gives `u:pw@h:1`), for a
+/// test that builds another URL to the same server.
+pub fn authority(url: &str) -> &str {
+    let (_, rest) = url
+        .split_once("://")
+        .unwrap_or_else(|| panic!("no scheme in {url:?}"));
+    rest.split('/').next().unwrap_or(rest)
+}
+
+/// The `host:port` of `url`: its [`authority`] without the user and
+/// password (`redis://u:pw@h:1/2` gives `h:1`).
+pub fn host_port(url: &str) -> &str {
+    let authority = authority(url);
+    authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host)
+}
+
+/// The `host:port` of each of `urls`, comma-separated, as a multi-host
+/// URL (Sentinel, Cluster) lists them.
+pub fn hosts_of(urls: &[String]) -> String {
+    urls.iter()
+        .map(|u| host_port(u.as_str()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// The exit code, and stderr as text.
 pub fn code(output: &Output) -> i32 {
     output
@@ -486,12 +541,7 @@ impl AclUser {
             cmd.arg(rule);
         }
         let () = cmd.query_async(&mut conn).await.unwrap();
-        let server = url
-            .split_once("://")
-            .map(|(_, rest)| rest.rsplit_once('@').map_or(rest, |(_, h)| h))
-            .and_then(|host| host.split('/').next())
-            .unwrap()
-            .to_owned();
+        let server = host_port(&url).to_owned();
         Self {
             name,
             password,
