@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-mod acquire;
 mod admin;
 mod backend;
 mod config;
@@ -8,7 +7,6 @@ mod context;
 mod error;
 mod extender;
 mod gate;
-mod handle;
 mod held;
 mod hold;
 mod locker;
@@ -18,7 +16,6 @@ mod notify;
 mod reexport;
 mod registry;
 mod release;
-mod shutdown;
 mod task;
 
 pub use admin::{AdminError, LockAdmin, LockInfo};
@@ -29,14 +26,14 @@ pub use backend::{
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use context::LockContext;
 pub use error::{BackendError, BackendErrorKind, InvalidInput, LockError, LossCause};
-pub use handle::LockHandle;
+pub use locker::handle::LockHandle;
+pub use locker::shutdown::ShutdownReport;
 pub use locker::Locker;
 #[allow(deprecated)]
 pub use mutex::{Mutex, MutexConfig};
 pub use notify::{ReleaseHub, ReleaseWatch};
 #[doc(hidden)]
 pub use reexport::__reexported;
-pub use shutdown::ShutdownReport;
 
 /// Re-exported so that backend crates implement the trait with the same
 /// macro version.

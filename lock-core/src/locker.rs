@@ -1,5 +1,11 @@
 //! `Locker`, one per node, and `with_lock`.
 
+// The locker's own steps, in files of their own; they alone reach the
+// fields of `Inner`.
+mod acquire;
+pub(crate) mod handle;
+pub(crate) mod shutdown;
+
 use std::fmt;
 use std::future::Future;
 use std::panic::{resume_unwind, AssertUnwindSafe};
@@ -11,6 +17,7 @@ use std::task::Poll;
 use futures_util::FutureExt;
 use tokio::time::Instant;
 
+use self::shutdown::ShutdownSignal;
 use crate::backend::{Capabilities, DynLockBackend, LockBackend};
 use crate::config::{validate_key, LockConfig, LockerOptions};
 use crate::context::{held_by_current_task, LockContext, Scoped};
@@ -19,7 +26,6 @@ use crate::gate::Gates;
 use crate::held::HeldLock;
 use crate::metrics::Meter;
 use crate::registry::{self, Registry};
-use crate::shutdown::ShutdownSignal;
 use crate::task::never;
 
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
@@ -54,14 +60,14 @@ pub struct Locker {
 }
 
 pub(crate) struct Inner {
-    pub(crate) id: u64,
-    pub(crate) backend: Arc<DynLockBackend>,
-    pub(crate) caps: Capabilities,
-    pub(crate) node_id: Arc<str>,
-    pub(crate) options: LockerOptions,
-    pub(crate) gates: Gates,
-    pub(crate) registry: Arc<Registry>,
-    pub(crate) shutdown: ShutdownSignal,
+    id: u64,
+    backend: Arc<DynLockBackend>,
+    caps: Capabilities,
+    node_id: Arc<str>,
+    options: LockerOptions,
+    gates: Gates,
+    registry: Arc<Registry>,
+    shutdown: ShutdownSignal,
 }
 
 impl Locker {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::config::MAX_RETRY_DELAY;
 use crate::error::{InvalidInput, LockError};
-use crate::handle::LockHandle;
+use crate::locker::handle::LockHandle;
 use crate::locker::Locker;
 
 /// Settings of a [`Mutex`], with Kuzzle's Mutex defaults.
