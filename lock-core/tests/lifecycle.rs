@@ -156,7 +156,9 @@ fn failing(kind: BackendErrorKind, hang: bool) -> Arc<Failing> {
     })
 }
 
-#[tokio::test]
+// On the paused clock: the sleep below ends only once every task is idle,
+// so each clean-up task has sent its first (hanging) release by then.
+#[tokio::test(start_paused = true)]
 async fn failed_attempts_are_cleaned_up_by_one_task_per_key() {
     let backend = failing(BackendErrorKind::Timeout, true);
     let locker = Locker::new(Arc::clone(&backend));
