@@ -48,7 +48,7 @@ use std::error::Error;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use bench_support::{median, percentile, rotating_rounds, round_ratios};
+use bench_support::{cpu_time, median, percentile, rotating_rounds, round_ratios};
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, Locker, LockerOptions};
 use lock_redis::testing::{server_url, Namespace};
@@ -217,17 +217,6 @@ async fn timed<F: Future<Output = Result<(), BoxError>>>(
     let took = t.elapsed();
     let client = cpu_time().unwrap_or_default().saturating_sub(client);
     Ok((took, server_cpu(conn).await?.saturating_sub(cpu), client))
-}
-
-/// User + system CPU time of this process, from /proc (Linux).
-fn cpu_time() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let after_name = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after_name.split(' ').collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    // Clock ticks are 100 Hz on every Linux this runs on.
-    Some(Duration::from_millis((utime + stime) * 10))
 }
 
 async fn cpu_percent_over(window: Duration) -> f64 {

@@ -45,6 +45,10 @@ use lock_redis::testing::{RedisCluster, ACQUIRE_SCRIPT, RELEASE_SHARDED_SCRIPT};
 use lock_redis::{RedisClusterBackend, RedisConfig};
 use redis::{Script, Value};
 
+#[path = "../../bench-support/bench_support.rs"]
+mod bench_support;
+use bench_support::{cpu_time, median};
+
 type BoxError = Box<dyn Error + Send + Sync>;
 
 const RAW_RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
@@ -346,22 +350,6 @@ impl Counters {
             client_cpu: (self.client_cpu - before.client_cpu) / cycles,
         }
     }
-}
-
-/// User + system CPU time of this process, from /proc (Linux).
-fn cpu_time() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    let after_name = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after_name.split(' ').collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    // Clock ticks are 100 Hz on every Linux this runs on.
-    Some(Duration::from_millis((utime + stime) * 10))
-}
-
-fn median<T: Copy + PartialOrd>(mut v: Vec<T>) -> T {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    v[v.len() / 2]
 }
 
 /// `cycles` cycles of `kind` on each of `tasks` tasks at once, on distinct
