@@ -124,8 +124,14 @@ async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
     let mut keys = keys_served(&cluster, &scratch, victim, true, 4);
     let victim_slot = key_slot(&scratch.lock_key(&keys[0]));
     keys.extend(keys_served(&cluster, &scratch, victim, false, 2));
+    let mut slots: Vec<u16> = keys
+        .iter()
+        .map(|k| key_slot(&scratch.lock_key(k)))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
     let holder = node(scratch, "holder");
-    let waiter = node(other, "waiter");
+    let waiter = node(other.clone(), "waiter");
     let (stop, stopped) = watch::channel(false);
     // A ttl well above the failover time: the lock stays valid meanwhile.
     let ttl = Duration::from_secs(12);
@@ -144,8 +150,22 @@ async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
             )
         })
         .collect();
-    // Let the waiters find the keys held and the writes reach the replicas.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The waiters listen for releases, and the victim's replica has every
+    // lock write (Redis replicates asynchronously: a lock its replica
+    // never got is lost with the master, which this test is not about).
+    within(LIMIT, "waiters subscribed", async {
+        while other.subscription_stats().subscribed_channels < slots.len() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    {
+        let cluster = Arc::clone(&cluster);
+        tokio::task::spawn_blocking(move || cluster.wait_replicated(victim, LIMIT))
+            .await
+            .unwrap()
+            .unwrap();
+    }
 
     let killed_at = Instant::now();
     cluster.node(victim).unwrap().kill();

@@ -111,14 +111,15 @@ async fn d1_a_busy_lock_on_etcd_exits_75_naming_the_holder() {
     let (_backend, _locker, mut held) = etcd.hold(&key, "other-host").await;
     let scratch = Scratch::new();
     let ran = scratch.path("ran").display().to_string();
-    let started = Instant::now();
+    // One attempt, not the default's retries: `run::tests::
+    // waiting_options_map_to_retries` (no time limit can tell them apart
+    // on a loaded machine).
     let output = run_expecting(
         etcd.cmd("run")
             .args(["--no-wait", "--key", &key, "--", "touch", &ran]),
         75,
     )
     .await;
-    assert!(started.elapsed() < Duration::from_secs(10));
     let message = stderr(&output);
     assert!(
         message.contains("busy") && message.contains("other-host"),

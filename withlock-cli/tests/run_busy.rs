@@ -11,7 +11,10 @@ async fn busy_exits_75_and_the_command_never_runs(store: Store) {
     let key = store.key("busy");
     let (_locker, mut held) = store.hold(&key, "other-host").await;
     let scratch = Scratch::new();
-    let started = Instant::now();
+    // That `--no-wait` makes one attempt, not the default's eleven, is
+    // `run::tests::waiting_options_map_to_retries`: a time limit here
+    // could not tell one attempt from the default's 2 s of retries on a
+    // loaded machine.
     let output = run_expecting(
         store.cmd("run").args([
             "--no-wait",
@@ -25,7 +28,6 @@ async fn busy_exits_75_and_the_command_never_runs(store: Store) {
     )
     .await;
     assert!(!scratch.path("ran").exists(), "the command ran");
-    assert!(started.elapsed() < Duration::from_secs(5));
     let message = stderr(&output);
     assert!(
         message.contains("busy") && message.contains("other-host"),

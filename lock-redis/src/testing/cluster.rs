@@ -182,6 +182,45 @@ impl RedisCluster {
         Ok(replicas)
     }
 
+    /// Waits until every running replica of the master on `master_port`
+    /// has applied every write the master had taken when this was called:
+    /// each replica's `slave_repl_offset` reaches the master's
+    /// `master_repl_offset` read first. A fault test calls it before it
+    /// kills the master, so that what it wrote survives the failover
+    /// (Redis replicates asynchronously: a write the replica never got is
+    /// lost with its master, a limit the crate's docs state).
+    ///
+    /// # Errors
+    ///
+    /// When a node cannot be reached, the master has no running replica,
+    /// or the replicas do not catch up within `limit`.
+    pub fn wait_replicated(&self, master_port: u16, limit: Duration) -> io::Result<()> {
+        let master = self
+            .node(master_port)
+            .ok_or_else(|| io::Error::other(format!("no node on port {master_port}")))?;
+        let offset = repl_offset(master, "master_repl_offset")?;
+        let replicas = self.replica_ports_of(master_port)?;
+        if replicas.is_empty() {
+            return Err(io::Error::other(format!(
+                "the master on port {master_port} has no running replica"
+            )));
+        }
+        let started = Instant::now();
+        for port in replicas {
+            let replica = self.node(port).expect("a node of the cluster");
+            while repl_offset(replica, "slave_repl_offset")? < offset {
+                if started.elapsed() > limit {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the replica on port {port} did not reach offset {offset}"),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Ok(())
+    }
+
     /// The master serving the slot of `key`.
     ///
     /// # Errors
@@ -357,6 +396,25 @@ impl RedisCluster {
         }
         Ok(())
     }
+}
+
+/// A replication offset from `node`'s `INFO replication`: `field` is
+/// `master_repl_offset` (what a master has taken) or `slave_repl_offset`
+/// (what a replica has applied).
+fn repl_offset(node: &RedisServer, field: &str) -> io::Result<u64> {
+    let info: String = node
+        .connection()
+        .and_then(|mut c| redis::cmd("INFO").arg("replication").query(&mut c))
+        .map_err(io::Error::other)?;
+    info.lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| {
+            io::Error::other(format!(
+                "no {field} in INFO replication of port {}",
+                node.port()
+            ))
+        })
 }
 
 /// One cluster for the whole test process, started on first use and killed
