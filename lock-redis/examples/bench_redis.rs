@@ -168,10 +168,8 @@ impl Clients {
                 let _: i64 = self
                     .release_fenced
                     .key(key)
-                    .key(&fence)
                     .arg(value)
                     .arg(&self.channel)
-                    .arg(7 * 24 * 3600 * 1000_u64)
                     .invoke_async(&mut conn)
                     .await?;
             }

@@ -274,10 +274,8 @@ impl Clients {
         let released: i64 = self
             .release_fenced
             .key(&t.key)
-            .key(&t.fence)
             .arg(&t.value)
             .arg(&t.channel)
-            .arg(idle)
             .invoke_async(conn)
             .await?;
         assert_eq!(released, 1, "by hand: not released");

@@ -24,7 +24,8 @@
 --
 -- The companion expires after the idle period, never while its lock is
 -- held: an acquisition (here) and every extension set its expiry to the
--- lock's ttl plus the idle period, a release to the idle period. An
+-- lock's ttl plus the idle period, and a release leaves it (the lock was
+-- held, so that is at least the idle period after the release). An
 -- expired companion is a lost one, and a lost companion cannot make
 -- tokens go back: the next token is at least the server clock in
 -- microseconds, which is past every earlier token (each was the clock at

@@ -2,18 +2,16 @@
 -- the shard channel of the key's hash slot (Redis Cluster, Redis >= 7.0).
 --
 -- KEYS[1]  the lock key
--- KEYS[2]  its fencing companion (same hash slot)
 -- ARGV[1]  the owner token
 -- ARGV[2]  the release channel of KEYS[1]'s slot; the message is KEYS[1]
--- ARGV[3]  the idle period in milliseconds (RedisConfig::fence_idle): the
---          companion expires that long after the release unless the key
---          is taken again
 --
 -- SPUBLISH reaches the subscribers of the shard that owns the slot only,
 -- where classic PUBLISH is broadcast to every node of the cluster. The
 -- channel's hash tag puts it in the key's slot, as a script may only touch
 -- its own slot.
 --
+-- The companion keeps the expiry its lock's acquisition or last extension
+-- gave it: at least the idle period after this release (see release.lua).
 -- A companion that expires is lost, and a lost companion cannot make
 -- tokens go back: each token is at least the server clock in microseconds
 -- (see acquire.lua).
@@ -25,7 +23,6 @@
 -- (nothing changed, nothing published).
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
     redis.call('SPUBLISH', ARGV[2], KEYS[1])
     return 1
 end

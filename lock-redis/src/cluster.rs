@@ -460,8 +460,8 @@ impl RedisClusterBackend {
                 "release",
                 Lane::Durable,
                 &RELEASE_SHARDED,
-                &[lock_key, fence],
-                &[owner.as_str(), &channel, &self.inner.config.fence_idle_ms()],
+                &[lock_key],
+                &[owner.as_str(), &channel],
             )
             .await
             .and_then(|v| script_number("release", v));
@@ -790,12 +790,8 @@ impl LockBackend for RedisClusterBackend {
         let value = self
             .step(
                 Kind::Release,
-                vec![lock_key.clone(), fence_key(&lock_key)],
-                vec![
-                    lease.owner().as_str().to_owned(),
-                    channel,
-                    self.inner.config.fence_idle_ms(),
-                ],
+                vec![lock_key.clone()],
+                vec![lease.owner().as_str().to_owned(), channel],
             )
             .await?;
         release_outcome(script_number("release", value)?)

@@ -83,7 +83,9 @@ pub struct RedisConfig {
     /// lock. Each acquisition and extension sets the companion's expiry to
     /// the lock's ttl plus this, so it never expires while the lock is
     /// held (an extension puts back a companion lost meanwhile); a release
-    /// sets it to this. A companion that expired costs nothing: tokens
+    /// leaves it, so the companion lives at least this long after the
+    /// release and at most the ttl longer (a forced release sets it to
+    /// this). A companion that expired costs nothing: tokens
     /// are at least the server clock in microseconds, so they keep
     /// increasing, unless the server clock stepped back by more than this
     /// (see the crate docs, "The fencing counter").

@@ -316,14 +316,7 @@ impl<S: Source> SingleNode<S> {
             if acked >= durability.replicas {
                 return Ok(answer);
             }
-            let release = RELEASE.call(
-                &keys,
-                &[
-                    owner.as_str(),
-                    &self.inner.channel,
-                    &self.inner.config.fence_idle_ms(),
-                ],
-            );
+            let release = RELEASE.call(&keys[..1], &[owner.as_str(), &self.inner.channel]);
             let released: i64 = RELEASE.run(&mut conn, &release).await?;
             Err(BackendError::message(
                 BackendErrorKind::Request,
@@ -456,10 +449,8 @@ impl<S: Source> BatchOnTheWire<S> {
         let answer = {
             let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 2);
             let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 3 + 2);
-            let idle = backend.inner.config.fence_idle_ms();
             if self.step == Step::Release {
                 args.push(&backend.inner.channel);
-                args.push(&idle);
             }
             for queued in &self.batch {
                 keys.extend(queued.keys.iter().map(String::as_str));
@@ -714,24 +705,19 @@ impl<S: Source> SingleNode<S> {
     /// The step of [`LockBackend::release`].
     pub(crate) async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
-        let fence = fence_key(&lock_key);
         let answer = if let Some(_counted) = self.alone(Step::Release) {
             self.run_script(
                 "release",
                 &RELEASE,
-                &[&lock_key, &fence],
-                &[
-                    lease.owner().as_str(),
-                    &self.inner.channel,
-                    &self.inner.config.fence_idle_ms(),
-                ],
+                &[&lock_key],
+                &[lease.owner().as_str(), &self.inner.channel],
             )
             .await?
         } else {
             let answer = self
                 .queued(
                     Step::Release,
-                    vec![lock_key.into_owned(), fence],
+                    vec![lock_key.into_owned()],
                     vec![lease.owner().as_str().to_owned()],
                 )
                 .await?;
@@ -831,9 +817,10 @@ macro_rules! single_node_lock_backend {
                 self.$field.failure_domain(key)
             }
 
-            /// `DEL` if the key still holds the owner token, then the fencing
-            /// companion set to expire in [`fence_idle`](crate::RedisConfig::fence_idle)
-            /// and `PUBLISH` of the key on the release channel, in one script.
+            /// `DEL` if the key still holds the owner token, then `PUBLISH` of the
+            /// key on the release channel, in one script. The fencing companion
+            /// keeps the expiry the last acquisition or extension gave it: at
+            /// least [`fence_idle`](crate::RedisConfig::fence_idle) after the release.
             ///
             /// # Cancel safety
             ///

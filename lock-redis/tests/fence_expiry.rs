@@ -50,8 +50,10 @@ async fn expiry_times(
 
 /// Each step alone (acquisition, extension, a pipelined extension,
 /// release): while the lock is held its companion's ttl is the lock's ttl
-/// plus the idle period, above the lock's own; after the release it is the
-/// idle period. Before this, the companion had no expiry at all.
+/// plus the idle period, above the lock's own; the release leaves the
+/// companion's expiry as the last extension set it, so it lives more than
+/// the idle period after the release. Before this, the companion had no
+/// expiry at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h4_the_companion_has_a_ttl_after_each_step_above_the_held_locks() {
     let url = server_url().await;
@@ -107,6 +109,7 @@ async fn h4_the_companion_has_a_ttl_after_each_step_above_the_held_locks() {
         "after the pipelined extension: companion {companion} ms, lock {lock} ms"
     );
 
+    let (_, expires_at) = expiry_times(&mut conn, &key, &fence).await;
     assert_eq!(
         backend.release(&lease).await.unwrap(),
         ReleaseOutcome::Released
@@ -114,8 +117,13 @@ async fn h4_the_companion_has_a_ttl_after_each_step_above_the_held_locks() {
     let (lock, companion) = pttls(&mut conn, &key, &fence).await;
     assert_eq!(lock, -2, "released");
     assert!(
-        companion > 0 && companion <= idle_ms,
-        "after the release the companion expires in the idle period: {companion} ms"
+        companion > idle_ms,
+        "after the release the companion outlives the idle period: {companion} ms"
+    );
+    assert_eq!(
+        expiry_times(&mut conn, &key, &fence).await.1,
+        expires_at,
+        "the release left the companion's expiry as it was"
     );
     let stored: u64 = conn.get(&fence).await.unwrap();
     assert_eq!(stored, token, "the companion still holds the last token");
@@ -147,11 +155,17 @@ async fn h4_batched_steps_give_each_companion_its_ttl() {
         .map(|(key, answer)| Lease::new(key.as_str(), owner.clone(), token_of(answer.unwrap())))
         .collect();
     let mut conn = raw(&url).await;
+    let mut expires_at = Vec::new();
     for key in &keys {
         let (lock, companion) = pttls(&mut conn, key, &backend.fence_key(key)).await;
         assert!(
             lock > 0 && companion > lock && companion > idle_ms,
             "{key}: companion {companion} ms, lock {lock} ms"
+        );
+        expires_at.push(
+            expiry_times(&mut conn, key, &backend.fence_key(key))
+                .await
+                .1,
         );
     }
     let released = within(
@@ -160,13 +174,20 @@ async fn h4_batched_steps_give_each_companion_its_ttl() {
         join_all(leases.iter().map(|lease| backend.release(lease))),
     )
     .await;
-    for (key, answer) in keys.iter().zip(released) {
+    for ((key, answer), expired_at) in keys.iter().zip(released).zip(expires_at) {
         assert_eq!(answer.unwrap(), ReleaseOutcome::Released, "{key}");
         let (lock, companion) = pttls(&mut conn, key, &backend.fence_key(key)).await;
         assert_eq!(lock, -2, "{key}: released");
         assert!(
-            companion > 0 && companion <= idle_ms,
+            companion > idle_ms,
             "{key}: after the release: {companion} ms"
+        );
+        assert_eq!(
+            expiry_times(&mut conn, key, &backend.fence_key(key))
+                .await
+                .1,
+            expired_at,
+            "{key}: the release left the companion's expiry as it was"
         );
     }
 }
