@@ -78,22 +78,14 @@ while done < n:
     done += len(batch) // 2
 PY
 
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
+# shellcheck source=callgrind_server.sh
+. examples/callgrind_server.sh
 
 count() {
-  local kind=$1 n=$2 port
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  valgrind --tool=callgrind --callgrind-out-file="$work/server.$kind.$n" \
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no >"$work/server.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 1 100); do
-    redis-cli -p "$port" ping >/dev/null 2>&1 && break
-    sleep 0.1
-  done
+  local kind=$1 n=$2
+  start_server "$work/server.$kind.$n"
   python3 "$work/drive.py" "$port" "$kind" "$n"
-  redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
-  wait "$server_pid" 2>/dev/null || true
-  server_pid=
+  stop_server
   total "$work/server.$kind.$n"
 }
 

@@ -29,24 +29,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }
+# shellcheck source=callgrind_server.sh
+. lock-redis/examples/callgrind_server.sh
 
 # Prints "<server instructions> <client instructions>" for n cycles of kind.
 count() {
-  local kind=$1 n=$2 port
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  valgrind --tool=callgrind --callgrind-out-file="$work/server.$kind.$n" \
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no >"$work/server.log" 2>&1 &
-  server_pid=$!
-  for _ in $(seq 1 100); do
-    redis-cli -p "$port" ping >/dev/null 2>&1 && break
-    sleep 0.1
-  done
+  local kind=$1 n=$2
+  start_server "$work/server.$kind.$n"
   REDIS_URL="redis://127.0.0.1:$port" valgrind --tool=callgrind \
     --callgrind-out-file="$work/client.$kind.$n" "$bench" --cycles "$n" "$kind" 2>/dev/null
-  redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
-  wait "$server_pid" 2>/dev/null || true
-  server_pid=
+  stop_server
   echo "$(total "$work/server.$kind.$n") $(total "$work/client.$kind.$n")"
 }
 
