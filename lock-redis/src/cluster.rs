@@ -465,19 +465,7 @@ impl RedisClusterBackend {
             )
             .await
             .and_then(|v| script_number("release", v));
-        Err(BackendError::message(
-            BackendErrorKind::Request,
-            format!(
-                "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
-                durability.replicas,
-                durability.timeout,
-                match released {
-                    Ok(1) => "the lock was released",
-                    Ok(_) => "the lock was gone already",
-                    Err(_) => "its release failed (it expires with its ttl)",
-                },
-            ),
-        ))
+        Err(crate::durability::shortfall(acked, durability, released))
     }
 
     /// The leases of one master in one pipeline, one round trip; a lease

@@ -4,21 +4,24 @@
 use std::time::Duration;
 
 /// After each acquisition, `WAIT <replicas> <timeout>` on the connection
-/// that ran it; when fewer replicas acknowledged the write in time, the
-/// lock is released and the attempt counts as failed (a
-/// [`BackendError`](lock_core::BackendError) saying how many acknowledged).
+/// that ran it, pipelined with it (one round trip); when fewer replicas
+/// acknowledged the write in time, the lock is released and the attempt
+/// counts as failed: a [`BackendError`](lock_core::BackendError) of kind
+/// `Request` saying how many acknowledged and whether the release freed
+/// the lock, found it gone, or failed (then the lock expires with its
+/// ttl). The single node, Sentinel and Cluster backends do the same.
 ///
 /// Redis replication is asynchronous: without this, a primary that fails
 /// right after an acquisition may be replaced by a replica that never got
 /// the lock, and a second node can take it. With it, a lock is only handed
 /// to the callback once `replicas` replicas have it, so a failover to one
 /// of them keeps it. (`WAIT` is not allowed inside scripts before Redis
-/// 7.2, hence a round trip of its own.) Extensions are not waited for: a
+/// 7.2, hence a command of its own.) Extensions are not waited for: a
 /// replica that missed one has the lock with an earlier expiry, which the
 /// next extension after a failover corrects or reports as lost.
 ///
-/// Costs one more round trip per acquisition, as long as the slowest of
-/// the `replicas` fastest replicas takes to acknowledge.
+/// Costs each acquisition as long as the slowest of the `replicas` fastest
+/// replicas takes to acknowledge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Durability {
@@ -51,4 +54,27 @@ pub(crate) fn validate(config: &crate::RedisConfig) -> Result<(), crate::SetupEr
         Some(d) if d.timeout.is_zero() => invalid("has a zero timeout (WAIT would wait forever)"),
         _ => Ok(()),
     }
+}
+
+/// The error of an acquisition that fewer replicas than `durability` asks
+/// acknowledged in time; `released` is the answer of the release sent
+/// after it (1 freed, else found gone).
+pub(crate) fn shortfall(
+    acked: i64,
+    durability: Durability,
+    released: Result<i64, lock_core::BackendError>,
+) -> lock_core::BackendError {
+    lock_core::BackendError::message(
+        lock_core::BackendErrorKind::Request,
+        format!(
+            "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
+            durability.replicas,
+            durability.timeout,
+            match released {
+                Ok(1) => "the lock was released",
+                Ok(_) => "the lock was gone already",
+                Err(_) => "its release failed (it expires with its ttl)",
+            },
+        ),
+    )
 }

@@ -283,8 +283,9 @@ impl<S: Source> SingleNode<S> {
         }
     }
 
-    /// The acquisition script, then `WAIT` on the same connection; when
-    /// too few replicas acknowledged, the release script, and an error.
+    /// The acquisition script, then `WAIT` on the same connection, in one
+    /// pipeline; when too few replicas acknowledged, the release script on
+    /// that connection, and an error.
     async fn acquire_durably(
         &self,
         durability: crate::Durability,
@@ -295,7 +296,7 @@ impl<S: Source> SingleNode<S> {
         let limit = self.inner.config.step_timeout + durability.timeout;
         self.bounded_for("acquisition", limit, async {
             let mut conn = self.connection_in(&self.inner.durable).await?;
-            let acquire = ACQUIRE.call(
+            let mut pipe = ACQUIRE.pipe(
                 &keys,
                 &[
                     owner.as_str(),
@@ -303,30 +304,16 @@ impl<S: Source> SingleNode<S> {
                     &self.inner.config.fence_ttl_ms(ttl),
                 ],
             );
-            let answer: i64 = ACQUIRE.run(&mut conn, &acquire).await?;
-            if answer <= 0 {
-                return Ok(answer);
-            }
-            let acked: u32 = redis::cmd("WAIT")
+            pipe.cmd("WAIT")
                 .arg(durability.replicas)
-                .arg(ttl_ms(durability.timeout))
-                .query_async(&mut conn)
-                .await
-                .map_err(map_redis_error)?;
-            if acked >= durability.replicas {
+                .arg(ttl_ms(durability.timeout));
+            let (answer, acked): (i64, i64) = ACQUIRE.run(&mut conn, &pipe).await?;
+            if answer <= 0 || acked >= i64::from(durability.replicas) {
                 return Ok(answer);
             }
             let release = RELEASE.call(&keys[..1], &[owner.as_str(), &self.inner.channel]);
-            let released: i64 = RELEASE.run(&mut conn, &release).await?;
-            Err(BackendError::message(
-                BackendErrorKind::Request,
-                format!(
-                    "the acquisition reached {acked} of the {} replica(s) the durability setting waits for within {:?}; {} and the attempt counts as failed",
-                    durability.replicas,
-                    durability.timeout,
-                    if released == 1 { "the lock was released" } else { "the lock was gone already" },
-                ),
-            ))
+            let released = RELEASE.run(&mut conn, &release).await;
+            Err(crate::durability::shortfall(acked, durability, released))
         })
         .await
     }

@@ -143,7 +143,8 @@ async fn with_durability_there_is_never_a_second_holder() {
         Err(err @ LockError::NotAcquired { .. }) => {
             let chain = format!("{err:?}");
             assert!(
-                chain.contains("replica(s) the durability setting waits for"),
+                chain.contains("replica(s) the durability setting waits for")
+                    && chain.contains("the lock was released"),
                 "{chain}"
             );
         }
