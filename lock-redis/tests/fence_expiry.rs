@@ -251,6 +251,64 @@ async fn h4_a_companion_deleted_by_hand_comes_back_and_tokens_go_on_increasing()
     );
 }
 
+/// A stale companion while its lock is held, as a failover to a replica
+/// that missed the acquisition's write but had an older companion leaves
+/// it: the next extension raises it to the lease's token, so `inspect`
+/// shows the holder's token. A companion that is not a number is not the
+/// extension's to overwrite: it keeps its value and only gets its expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h4_an_extension_raises_a_stale_companion_and_leaves_a_foreign_one() {
+    let url = server_url().await;
+    let ns = Namespace::new(&url);
+    let backend =
+        RedisBackend::from_url_with(&url, RedisConfig::default().prefix(ns.prefix())).unwrap();
+    let key = "stale companion";
+    let fence = backend.fence_key(key);
+    let mut conn = raw(&url).await;
+    let owner = OwnerToken::new("a");
+    let ttl = Duration::from_secs(20);
+
+    let earlier = token_of(backend.try_acquire(key, &owner, ttl).await.unwrap());
+    let lease = Lease::new(key, owner.clone(), earlier);
+    backend.release(&lease).await.unwrap();
+    let token = token_of(backend.try_acquire(key, &owner, ttl).await.unwrap());
+    assert!(token > earlier);
+    let lease = Lease::new(key, owner.clone(), token);
+    let _: () = conn.set(&fence, earlier).await.unwrap();
+    assert_eq!(
+        backend.inspect(key).await.unwrap().fencing_token,
+        Some(earlier),
+        "the stale companion shows the earlier token"
+    );
+    assert_eq!(
+        backend.extend(&lease, ttl).await.unwrap(),
+        ExtendOutcome::Extended
+    );
+    let stored: u64 = conn.get(&fence).await.unwrap();
+    assert_eq!(stored, token, "the extension raised the stale companion");
+    assert_eq!(
+        backend.inspect(key).await.unwrap().fencing_token,
+        Some(token)
+    );
+    let pttl: i64 = conn.pttl(&fence).await.unwrap();
+    assert!(pttl > 0, "with its expiry: {pttl}");
+
+    let _: () = conn.set(&fence, "not a number").await.unwrap();
+    assert_eq!(
+        backend.extend(&lease, ttl).await.unwrap(),
+        ExtendOutcome::Extended
+    );
+    let stored: String = conn.get(&fence).await.unwrap();
+    assert_eq!(stored, "not a number", "a foreign value is left as it is");
+    let pttl: i64 = conn.pttl(&fence).await.unwrap();
+    assert!(pttl > 0, "it only got its expiry: {pttl}");
+    let _: () = conn.set(&fence, token).await.unwrap();
+    assert_eq!(
+        backend.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+}
+
 /// A tiny idle period: a lock held through several extensions keeps its
 /// companion all along (its ttl always above the lock's), the operator
 /// lists and force-releases it at the end, and once released the
