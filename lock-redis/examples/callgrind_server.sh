@@ -1,6 +1,15 @@
 # Sourced by server_instructions.sh and script_instructions.sh: a private
-# redis-server on a free loopback port under callgrind. Needs $work (a
-# scratch directory the caller removes) and sets $server_pid and $port.
+# redis-server on a free loopback port under callgrind. Makes the scratch
+# directory $work, sets $server_pid and $port, and on exit kills the
+# server and removes $work.
+
+work=$(mktemp -d)
+server_pid=
+cleanup() {
+  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
 
 # The instruction total of a callgrind output file.
 total() { callgrind_annotate "$1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'; }

@@ -18,13 +18,8 @@ cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "valgrind is needed" >&2; exit 69; }
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(raw scripts)
-work=$(mktemp -d)
-server_pid=
-cleanup() {
-  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=callgrind_server.sh
+. examples/callgrind_server.sh
 
 cat >"$work/drive.py" <<'PY'
 import hashlib, socket, sys
@@ -78,8 +73,6 @@ while done < n:
     done += len(batch) // 2
 PY
 
-# shellcheck source=callgrind_server.sh
-. examples/callgrind_server.sh
 
 count() {
   local kind=$1 n=$2

@@ -19,18 +19,11 @@ bench=target/release/examples/bench_redis
 command -v valgrind >/dev/null || { echo "valgrind is needed" >&2; exit 69; }
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(raw fenced rslock with_lock)
-small=1000
-large=3000
-work=$(mktemp -d)
-server_pid=
-cleanup() {
-  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
 # shellcheck source=callgrind_server.sh
 . lock-redis/examples/callgrind_server.sh
+small=1000
+large=3000
+
 
 # Prints "<server instructions> <client instructions>" for n cycles of kind.
 count() {
