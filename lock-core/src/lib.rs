@@ -2,6 +2,7 @@
 
 mod admin;
 mod backend;
+pub mod background;
 mod config;
 mod context;
 mod error;
@@ -23,6 +24,7 @@ pub use backend::{
     batch_results, AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest,
     Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
 };
+pub use background::Background;
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use context::LockContext;
 pub use error::{BackendError, BackendErrorKind, InvalidInput, LockError, LossCause};
