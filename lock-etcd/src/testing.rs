@@ -229,6 +229,20 @@ impl EtcdCluster {
             .connect_timeout(Duration::from_secs(5))
     }
 
+    /// [`config`](Self::config) as the user `name` of
+    /// [`add_user`](Self::add_user) (password `<name>-pw`; `root` for
+    /// [`enable_auth`](Self::enable_auth)'s root). Logging in costs a
+    /// bcrypt hash on the server, slow on a loaded machine, so the
+    /// failover timeout (which bounds a login) and the step timeout are
+    /// 2 s, and the connect timeout 20 s.
+    pub fn user_config(&self, name: &str) -> EtcdConfig {
+        self.config()
+            .user(name, format!("{name}-pw"))
+            .step_timeout(Duration::from_secs(2))
+            .failover_timeout(Duration::from_secs(2))
+            .connect_timeout(Duration::from_secs(20))
+    }
+
     /// A backend on every member with [`config`](Self::config).
     ///
     /// # Panics

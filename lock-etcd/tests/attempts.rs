@@ -42,10 +42,10 @@ async fn a8_an_attempt_refused_for_permission_revokes_its_lease_and_forgets_it()
     cluster
         .add_user("reader", "reader", "read", &["app/"])
         .unwrap();
-    let reader = EtcdBackend::connect(cluster.config().user("reader", "reader-pw"))
+    let reader = EtcdBackend::connect(cluster.user_config("reader"))
         .await
         .unwrap();
-    let root = EtcdBackend::connect(cluster.config().user("root", "root-pw"))
+    let root = EtcdBackend::connect(cluster.user_config("root"))
         .await
         .unwrap();
     assert_eq!(leases(&root).await, Vec::<i64>::new());

@@ -26,7 +26,7 @@ async fn cluster() -> EtcdCluster {
 }
 
 async fn backend(cluster: &EtcdCluster, user: &str) -> EtcdBackend {
-    EtcdBackend::connect(cluster.config().user(user, format!("{user}-pw")))
+    EtcdBackend::connect(cluster.user_config(user))
         .await
         .unwrap_or_else(|e| panic!("{user} connects: {e:?}"))
 }
@@ -53,7 +53,7 @@ async fn keys_under(root: &EtcdBackend, name: &str) -> Vec<String> {
 async fn d3_release_with_rights_on_the_names_alone_frees_the_lock_at_once() {
     let cluster = cluster().await;
     let app = backend(&cluster, "app").await;
-    let root = EtcdBackend::connect(cluster.config().user("root", "root-pw"))
+    let root = EtcdBackend::connect(cluster.user_config("root"))
         .await
         .unwrap();
     let name = "app/nightly-import";
@@ -142,7 +142,7 @@ async fn d3_release_with_rights_on_the_names_alone_frees_the_lock_at_once() {
 #[tokio::test]
 async fn d3_root_still_records_the_last_token_of_a_free_name() {
     let cluster = cluster().await;
-    let root = EtcdBackend::connect(cluster.config().user("root", "root-pw"))
+    let root = EtcdBackend::connect(cluster.user_config("root"))
         .await
         .unwrap();
     let name = "app/recorded";

@@ -146,7 +146,7 @@ async fn t2_attempts_refused_for_permission_leave_no_state() {
     cluster
         .add_user("reader", "reader", "read", &["t2/"])
         .unwrap();
-    let reader = EtcdBackend::connect(cluster.config().user("reader", "reader-pw"))
+    let reader = EtcdBackend::connect(cluster.user_config("reader"))
         .await
         .unwrap();
     let b = reader.clone();
@@ -164,7 +164,7 @@ async fn t2_attempts_refused_for_permission_leave_no_state() {
     .await;
     back_to_zero(&reader).await;
     // And the cluster holds none of their leases.
-    let root = EtcdBackend::connect(cluster.config().user("root", "root-pw"))
+    let root = EtcdBackend::connect(cluster.user_config("root"))
         .await
         .unwrap();
     let left = root.client().lease_client().leases().await.unwrap();
