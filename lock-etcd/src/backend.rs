@@ -663,9 +663,11 @@ impl fmt::Debug for EtcdBackend {
 /// # Cancel safety
 ///
 /// A dropped step may or may not have been applied. A dropped acquisition
-/// may have granted its lease and put its key: the driver's release with
-/// the same owner token finds the lease (remembered from its grant, or by
-/// the key's value) and deletes both; else both expire with the ttl.
+/// may have granted its lease and put its key: once its grant was
+/// answered, it revokes that lease from the background runtime (which
+/// deletes the key, put or still on its way) \[S1\]; a grant whose answer
+/// never came leaves a lease without a key, expiring with its ttl. A
+/// release with the same owner token still finds a key by its value.
 #[async_trait]
 impl LockBackend for EtcdBackend {
     fn capabilities(&self) -> Capabilities {
