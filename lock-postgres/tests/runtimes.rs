@@ -1,0 +1,185 @@
+//! \[T1\] A backend outlives the runtime that made it: its release
+//! listener and its pooled connections do not live on a caller's runtime.
+//!
+//! A backend is made on runtime A, and a waiter there is woken by a
+//! release, so the listener started (and, before the backend ran its
+//! listener and made its connections on the background runtime, the
+//! listener task and the pool's connections lived on A). Then A is dropped,
+//! or left alive but idle (a current-thread runtime nobody polls), and on
+//! runtime B a waiter polling only every 30 s must be woken by a release
+//! within 5 s: only the listener can do that.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_conformance::node;
+use lock_core::{AcquireOutcome, BackendError, LockConfig, OwnerToken, ReleaseOutcome};
+use lock_postgres::testing::{database_url, TestBackend};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// The waiter's retry delay: only a notification wakes it sooner.
+const RETRY: Duration = Duration::from_secs(30);
+/// The bound on a notified handoff (about a millisecond when idle).
+const WOKEN_WITHIN: Duration = Duration::from_secs(5);
+/// The bound on everything else that should take milliseconds.
+const SOON: Duration = Duration::from_secs(10);
+
+/// The test backend, telling how many attempts on each key were answered
+/// busy: a waiter's second busy answer comes after its release watch is in
+/// place (the driver watches after the first, then tries again at once),
+/// so from then on only a notification wakes it before its retry delay.
+#[derive(Debug)]
+struct Observed {
+    inner: TestBackend,
+    busy: watch::Sender<HashMap<String, usize>>,
+}
+
+impl Observed {
+    async fn new() -> Self {
+        Self {
+            inner: TestBackend::new(&database_url()).await.unwrap(),
+            busy: watch::Sender::new(HashMap::new()),
+        }
+    }
+
+    /// Returns once a waiter on `key` waits on its release watch.
+    async fn waiting(&self, key: &str) {
+        let mut rx = self.busy.subscribe();
+        let waited = tokio::time::timeout(
+            SOON,
+            rx.wait_for(|busy| busy.get(key).is_some_and(|&n| n >= 2)),
+        );
+        waited
+            .await
+            .unwrap_or_else(|_| panic!("the waiter on {key} never waited on its watch"))
+            .unwrap();
+    }
+}
+
+lock_core::forward_lock_backend!(Observed => inner {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let answer = self.inner.try_acquire(key, owner, ttl).await;
+        if matches!(answer, Ok(AcquireOutcome::Busy)) {
+            self.busy.send_modify(|busy| *busy.entry(key.to_owned()).or_default() += 1);
+        }
+        answer
+    }
+
+    fn try_acquire_now(
+        &self,
+        _key: &str,
+        _owner: &OwnerToken,
+        _ttl: Duration,
+        _now: Instant,
+    ) -> Option<Result<AcquireOutcome, BackendError>> {
+        None
+    }
+
+    fn release_now(
+        &self,
+        _lease: &lock_core::Lease,
+        _now: Instant,
+    ) -> Option<Result<ReleaseOutcome, BackendError>> {
+        None
+    }
+});
+
+/// A holder takes a fresh key, a waiter polling every [`RETRY`] waits for
+/// it, the holder releases it: returns how long the waiter took to run
+/// after the release.
+async fn handoff(backend: &Arc<Observed>) -> Duration {
+    let (holder, waiter) = (
+        node(Arc::clone(backend), "holder"),
+        node(Arc::clone(backend), "waiter"),
+    );
+    let key = format!("t1:{:016x}", rand::random::<u64>());
+    let mut held = holder.handle(&key, Duration::from_secs(60)).unwrap();
+    assert!(
+        tokio::time::timeout(SOON, held.acquire())
+            .await
+            .expect("the holder's acquisition answers")
+            .unwrap(),
+        "the fresh key is free"
+    );
+    let slow = LockConfig::default().wait_forever().retry_delay(RETRY);
+    let k = key.clone();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .with_lock_config(&k, &slow, |_| async { Instant::now() })
+            .await
+    });
+    backend.waiting(&key).await;
+    let released_at = Instant::now();
+    assert!(
+        tokio::time::timeout(SOON, held.release())
+            .await
+            .expect("the release answers")
+            .unwrap(),
+        "released while held"
+    );
+    let ran_at = tokio::time::timeout(WOKEN_WITHIN, waiting)
+        .await
+        .unwrap_or_else(|_| {
+            panic!("the waiter was not woken within {WOKEN_WITHIN:?} of the release")
+        })
+        .unwrap()
+        .unwrap();
+    ran_at - released_at
+}
+
+/// What becomes of runtime A once the backend is made and used there.
+#[derive(Clone, Copy, Debug)]
+enum After {
+    Dropped,
+    Idle,
+}
+
+fn a_waiter_on_runtime_b_is_woken(after: After) {
+    let a = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let backend = a.block_on(async {
+        let backend = Arc::new(Observed::new().await);
+        // The listener starts at this first wait, on A before the fix.
+        let first = handoff(&backend).await;
+        assert!(first < WOKEN_WITHIN, "{first:?} on A");
+        backend
+    });
+    let idle = match after {
+        After::Dropped => {
+            drop(a);
+            None
+        }
+        After::Idle => Some(a),
+    };
+    let b = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    b.block_on(async {
+        let took = handoff(&backend).await;
+        assert!(took < WOKEN_WITHIN, "{after:?}: woken after {took:?}");
+    });
+    drop(backend);
+    drop(b);
+    drop(idle);
+}
+
+#[test]
+fn t1_a_waiter_is_woken_after_the_runtime_that_started_the_listener_was_dropped() {
+    a_waiter_on_runtime_b_is_woken(After::Dropped);
+}
+
+#[test]
+fn t1_a_waiter_is_woken_while_the_runtime_that_started_the_listener_is_idle() {
+    a_waiter_on_runtime_b_is_woken(After::Idle);
+}
