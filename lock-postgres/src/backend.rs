@@ -208,6 +208,19 @@ impl PostgresBackend {
         &self.inner.table
     }
 
+    /// The size of each per-key structure the backend keeps in memory, by
+    /// name, for tests \[T2\]. There is one: `watched_keys`, the release
+    /// hub's entries, one per key that a waiter (or a holder, for its own
+    /// key) watches; an entry goes with the key's last watch, so the bound
+    /// at rest is 0. The backend keeps nothing else per key: the
+    /// listener serves every key on one channel, and the pool's prepared
+    /// statements are the backend's fixed SQL texts, with the key bound.
+    /// (The table keeps one row per key ever locked, as Ruby Locker does.)
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        vec![("watched_keys", self.inner.hub.watched_keys())]
+    }
+
     /// The SQL text of the four steps (acquire, extend, the minimum hold,
     /// release), for review: they read the time from the database only and
     /// bind only the key, the owner token, a duration in microseconds and

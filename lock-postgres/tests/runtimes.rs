@@ -9,14 +9,15 @@
 //! runtime B a waiter polling only every 30 s must be woken by a release
 //! within 5 s: only the listener can do that.
 
-use std::collections::HashMap;
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::Observed;
 use lock_conformance::node;
-use lock_core::{AcquireOutcome, BackendError, LockConfig, OwnerToken, ReleaseOutcome};
+use lock_core::LockConfig;
 use lock_postgres::testing::{database_url, TestBackend};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// The waiter's retry delay: only a notification wakes it sooner.
@@ -25,71 +26,6 @@ const RETRY: Duration = Duration::from_secs(30);
 const WOKEN_WITHIN: Duration = Duration::from_secs(5);
 /// The bound on everything else that should take milliseconds.
 const SOON: Duration = Duration::from_secs(10);
-
-/// The test backend, telling how many attempts on each key were answered
-/// busy: a waiter's second busy answer comes after its release watch is in
-/// place (the driver watches after the first, then tries again at once),
-/// so from then on only a notification wakes it before its retry delay.
-#[derive(Debug)]
-struct Observed {
-    inner: TestBackend,
-    busy: watch::Sender<HashMap<String, usize>>,
-}
-
-impl Observed {
-    async fn new() -> Self {
-        Self {
-            inner: TestBackend::new(&database_url()).await.unwrap(),
-            busy: watch::Sender::new(HashMap::new()),
-        }
-    }
-
-    /// Returns once a waiter on `key` waits on its release watch.
-    async fn waiting(&self, key: &str) {
-        let mut rx = self.busy.subscribe();
-        let waited = tokio::time::timeout(
-            SOON,
-            rx.wait_for(|busy| busy.get(key).is_some_and(|&n| n >= 2)),
-        );
-        waited
-            .await
-            .unwrap_or_else(|_| panic!("the waiter on {key} never waited on its watch"))
-            .unwrap();
-    }
-}
-
-lock_core::forward_lock_backend!(Observed => inner {
-    async fn try_acquire(
-        &self,
-        key: &str,
-        owner: &OwnerToken,
-        ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
-        let answer = self.inner.try_acquire(key, owner, ttl).await;
-        if matches!(answer, Ok(AcquireOutcome::Busy)) {
-            self.busy.send_modify(|busy| *busy.entry(key.to_owned()).or_default() += 1);
-        }
-        answer
-    }
-
-    fn try_acquire_now(
-        &self,
-        _key: &str,
-        _owner: &OwnerToken,
-        _ttl: Duration,
-        _now: Instant,
-    ) -> Option<Result<AcquireOutcome, BackendError>> {
-        None
-    }
-
-    fn release_now(
-        &self,
-        _lease: &lock_core::Lease,
-        _now: Instant,
-    ) -> Option<Result<ReleaseOutcome, BackendError>> {
-        None
-    }
-});
 
 /// A holder takes a fresh key, a waiter polling every [`RETRY`] waits for
 /// it, the holder releases it: returns how long the waiter took to run
@@ -115,7 +51,7 @@ async fn handoff(backend: &Arc<Observed>) -> Duration {
             .with_lock_config(&k, &slow, |_| async { Instant::now() })
             .await
     });
-    backend.waiting(&key).await;
+    backend.waiting(&key, SOON).await;
     let released_at = Instant::now();
     assert!(
         tokio::time::timeout(SOON, held.release())
@@ -147,7 +83,9 @@ fn a_waiter_on_runtime_b_is_woken(after: After) {
         .build()
         .unwrap();
     let backend = a.block_on(async {
-        let backend = Arc::new(Observed::new().await);
+        let backend = Arc::new(Observed::new(
+            TestBackend::new(&database_url()).await.unwrap(),
+        ));
         // The listener starts at this first wait, on A before the fix.
         let first = handoff(&backend).await;
         assert!(first < WOKEN_WITHIN, "{first:?} on A");
