@@ -281,17 +281,23 @@ impl PostgresBackend {
             let conn = self.inner.pool.acquire().await.map_err(checkout_error)?;
             statement(conn).await.map_err(step_error)
         };
-        match tokio::time::timeout(after, self.in_background(work)).await {
-            Ok(result) => result,
-            Err(_) => Err(step_timeout(name, after)),
-        }
+        // The timer too is the background runtime's: a step dropped
+        // midway is finished there by the driver, maybe after the
+        // caller's runtime (and its timers) ended.
+        self.in_background(async {
+            match tokio::time::timeout(after, work).await {
+                Ok(result) => result,
+                Err(_) => Err(step_timeout(name, after)),
+            }
+        })
+        .await
     }
 
     /// `work` polled inside the background runtime \[T1\]: a connection
-    /// the pool makes meanwhile registers its socket there, and the task
-    /// sqlx spawns to return a connection to the pool runs there, so
-    /// neither depends on the caller's runtime. The caller's task still
-    /// runs the statement: no task hop.
+    /// the pool makes meanwhile registers its socket there, the task sqlx
+    /// spawns to return a connection to the pool runs there, and a timer
+    /// made meanwhile is that runtime's, so none depends on the caller's
+    /// runtime. The caller's task still runs the statement: no task hop.
     pub(crate) fn in_background<F: Future>(&self, work: F) -> Making<F> {
         self.inner.background.making(work)
     }

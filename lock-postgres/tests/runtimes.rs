@@ -7,15 +7,19 @@
 //! listener task and the pool's connections lived on A). Then A is dropped,
 //! or left alive but idle (a current-thread runtime nobody polls), and on
 //! runtime B a waiter polling only every 30 s must be woken by a release
-//! within 5 s: only the listener can do that.
+//! within 5 s: only the listener can do that. Then the same with the
+//! shared case of `lock_conformance::runtimes`, which also keeps a lock
+//! for three ttls on B, and leaves A blocked too.
 
 mod common;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::Observed;
 use lock_conformance::node;
+use lock_conformance::runtimes::{t1_locker_outlives_runtime, RuntimeState};
 use lock_core::LockConfig;
 use lock_postgres::testing::{database_url, TestBackend};
 use tokio::time::Instant;
@@ -120,4 +124,71 @@ fn t1_a_waiter_is_woken_after_the_runtime_that_started_the_listener_was_dropped(
 #[test]
 fn t1_a_waiter_is_woken_while_the_runtime_that_started_the_listener_is_idle() {
     a_waiter_on_runtime_b_is_woken(After::Idle);
+}
+
+/// The shared \[T1\] case: a backend and its lockers made, with their
+/// first locks, on runtime A; on runtime B a lock is kept for three ttls
+/// and a waiter is woken by a release.
+fn t1_shared_case(state: RuntimeState) {
+    t1_locker_outlives_runtime(state, Duration::from_secs(1), || async {
+        TestBackend::new(&database_url()).await.unwrap()
+    });
+}
+
+#[test]
+fn t1_postgres_runtime_dropped() {
+    t1_shared_case(RuntimeState::Dropped);
+}
+
+#[test]
+fn t1_postgres_runtime_idle() {
+    t1_shared_case(RuntimeState::Idle);
+}
+
+#[test]
+fn t1_postgres_runtime_blocked() {
+    t1_shared_case(RuntimeState::Blocked);
+}
+
+/// \[S1\]\[T1\] A step the driver finishes after its caller dropped it
+/// runs on: begun on runtime A (its first poll made its timer and its
+/// connection), A dropped, it answers on runtime B. Before the step's
+/// timer was the background runtime's, polling it on B panicked ("A
+/// Tokio 1.x context was found, but it is being shutdown"): lock-core
+/// moves such a step to the background runtime, where it met A's dead
+/// timer.
+#[test]
+fn s1_a_step_begun_on_a_dropped_runtime_answers_on_another() {
+    let a = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let backend = Arc::new(a.block_on(TestBackend::new(&database_url())).unwrap());
+    let key = format!("s1:{:016x}", rand::random::<u64>());
+    let owner = lock_core::OwnerToken::new("s1");
+    let step = {
+        let (backend, key, owner) = (Arc::clone(&backend), key.clone(), owner.clone());
+        async move { lock_core::LockBackend::try_acquire(&*backend, &key, &owner, SOON).await }
+    };
+    let mut step = Box::pin(step);
+    a.block_on(std::future::poll_fn(|cx| {
+        assert!(
+            step.as_mut().poll(cx).is_pending(),
+            "a round trip takes a moment"
+        );
+        std::task::Poll::Ready(())
+    }));
+    drop(a);
+    let b = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let answer = b.block_on(b.spawn(step)).expect("the step runs on B");
+    assert!(
+        matches!(answer, Ok(lock_core::AcquireOutcome::Acquired { .. })),
+        "{answer:?}"
+    );
+    drop(b);
+    drop(backend);
 }

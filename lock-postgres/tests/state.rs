@@ -111,9 +111,7 @@ async fn t2_ten_thousand_keys_each_locked_and_waited_for_leave_no_watch() {
                 .retry_delay(Duration::from_secs(30));
             let k = key.clone();
             let waiting =
-                tokio::spawn(
-                    async move { waiter.with_lock_config(&k, &slow, |_| async {}).await },
-                );
+                tokio::spawn(async move { waiter.with_lock_config(&k, &slow, |_| async {}).await });
             backend.waiting(&key, SOON).await;
             seen.fetch_max(watched_keys(backend.inner.backend()), Ordering::Relaxed);
             assert!(held.release().await.unwrap());
@@ -130,13 +128,17 @@ async fn t2_ten_thousand_keys_each_locked_and_waited_for_leave_no_watch() {
         "no key was ever watched"
     );
     assert_at_rest(backend.inner.backend(), "10,000 keys locked and waited for");
-    eprintln!("{KEYS} keys locked and waited for in {:?}", started.elapsed());
+    eprintln!(
+        "{KEYS} keys locked and waited for in {:?}",
+        started.elapsed()
+    );
 }
 
 /// Locks held by callbacks that wait for their loss, 1,000 at once, long
 /// enough for each to watch its own key \[L5\]; then half the rows are
-/// deleted and half taken over by another owner, and every call ends
-/// `Lost`.
+/// deleted and half taken over by another owner, a notification on each
+/// key has the holders check at once (with a 30 s ttl nothing else
+/// would, for 10 s), and every call ends `Lost`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn t2_ten_thousand_lost_locks_leave_no_watch() {
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -145,7 +147,7 @@ async fn t2_ten_thousand_lost_locks_leave_no_watch() {
     let backend = Arc::new(TestBackend::new(&database_url()).await.unwrap());
     let locker = node(Arc::clone(&backend), "holder");
     let run = format!("{:016x}", rand::random::<u64>());
-    let config = LockConfig::default().ttl(Duration::from_secs(3));
+    let config = LockConfig::default();
     for batch in 0..KEYS / BATCH {
         let keys: Vec<String> = (0..BATCH)
             .map(|i| format!("t2-lost:{run}:{batch}:{i}"))
@@ -195,6 +197,12 @@ async fn t2_ten_thousand_lost_locks_leave_no_watch() {
         .execute(backend.pool())
         .await
         .unwrap();
+        sqlx::query("SELECT pg_notify($1, key) FROM unnest($2::text[]) AS key")
+            .bind(&backend.config().channel)
+            .bind(&keys)
+            .execute(backend.pool())
+            .await
+            .unwrap();
         for call in calls {
             let ended = tokio::time::timeout(SOON, call)
                 .await
@@ -295,9 +303,7 @@ async fn t2_ten_thousand_attempts_refused_for_permission_leave_nothing() {
         async move {
             let got = tokio::time::timeout(
                 SOON,
-                locker.with_lock(&key, |_| async {
-                    panic!("the callback must not run")
-                }),
+                locker.with_lock(&key, |_| async { panic!("the callback must not run") }),
             )
             .await
             .expect("a refusal is said at once");
