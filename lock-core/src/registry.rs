@@ -498,6 +498,15 @@ impl Registry {
         self.lock().no_new = true;
     }
 
+    /// The background runtime's handle, unless the background work runs
+    /// on the caller's runtime.
+    pub(crate) fn background_handle(&self) -> Option<&Handle> {
+        match &self.runs {
+            Runs::Background(background) => Some(background.handle()),
+            Runs::Caller => None,
+        }
+    }
+
     /// Runs `task` in the background \[T1\]: on the process's background
     /// runtime; with [`Runs::Caller`], on the current runtime, else on the
     /// one that last took a lock (a handle dropped outside any runtime).

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::registry::Registry;
@@ -14,10 +15,12 @@ use crate::registry::Registry;
 /// Runs `step` in place, and to its end even if this future is dropped.
 ///
 /// The step is polled by the caller's own task, so the common path costs no
-/// task hop. If the future is dropped while the step is still pending (its
-/// request may already be on the wire), the step moves into a task of its
-/// own, on `registry`'s background runtime \[T1\], and its answer goes
-/// to `orphan` there.
+/// task hop, but inside the background runtime's context: the timers and
+/// connections it makes belong there, not to the caller's runtime. If the
+/// future is dropped while the step is still pending (its request may
+/// already be on the wire), the step moves into a task of its own, on
+/// `registry`'s background runtime \[T1\], and its answer goes to `orphan`
+/// there; it goes on after the caller's runtime has ended.
 pub(crate) fn finish_even_if_dropped<S, O>(
     registry: &Arc<Registry>,
     step: S,
@@ -56,11 +59,14 @@ where
     type Output = S::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<S::Output> {
-        let Some(step) = self.step.as_mut() else {
+        let this = &mut *self;
+        let Some(step) = this.step.as_mut() else {
             panic!("FinishEvenIfDropped polled after it finished");
         };
+        let _inside = this.registry.background_handle().map(Handle::enter);
         let answer = std::task::ready!(step.as_mut().poll(cx));
-        self.step = None;
+        drop(_inside);
+        this.step = None;
         Poll::Ready(answer)
     }
 }
