@@ -163,6 +163,16 @@ async fn url_files_are_checked() {
 #[tokio::test]
 async fn release_without_force_refuses() {
     refused(&["release", "--url", URL, "k"], "--force").await;
+    // \[L5\] The holder hears a force release within about a second: the
+    // refusal says what the release would do to it, not that it "would
+    // go on without the lock until its next extension".
+    let output = finish(&mut withlock(["release", "--url", URL, "k"])).await;
+    let message = stderr(&output);
+    assert!(!message.contains("next extension"), "{message}");
+    assert!(
+        message.contains("within about a second") && message.contains("79"),
+        "{message}"
+    );
 }
 
 #[tokio::test]
