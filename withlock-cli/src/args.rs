@@ -314,10 +314,10 @@ pub(crate) struct RunArgs {
     /// Default: `<hostname>:<pid>`.
     #[arg(long, env = "WITHLOCK_NODE_ID", value_name = "ID")]
     pub(crate) node_id: Option<String>,
-    /// Say nothing when the lock is busy: no status line while waiting
-    /// and no line when giving up (the exit code still says it: 75, or
-    /// --busy-exit). There is no status line when stderr is not a terminal
-    /// either.
+    /// Say nothing when the lock is busy: no status line while waiting,
+    /// no line when giving up and no --log-format record of the run (the
+    /// exit code still says it: 75, or --busy-exit). There is no status
+    /// line when stderr is not a terminal either.
     #[arg(long, short)]
     pub(crate) quiet: bool,
     /// The command and its arguments, after `--`.
