@@ -26,8 +26,10 @@ Exit codes of `withlock run`:
   79     the lock was lost while the command ran: the command was sent
          SIGTERM, then SIGKILL after --grace, whatever it then returned
   124    the command ran past --max-runtime and was terminated
-  126    the command could not be executed; 127: it was not found (both
-         checked before the lock is taken)
+  126    the command could not be executed (or a script's #! line names
+         an interpreter that cannot be); 127: it was not found (or the
+         NAME of `#!/usr/bin/env NAME` is not on PATH); all checked
+         before the lock is taken
   128+S  withlock got signal S while waiting; the command did not run
 A command's own exit code of 75-79 or 124 cannot be told from withlock's.
 `status` exits 0 when the key is held and 1 when it is free. Admin

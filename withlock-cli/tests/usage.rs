@@ -31,6 +31,8 @@ async fn a_command_without_double_dash_is_refused() {
     refused(&["run", "--url", URL, "--key", "k", "touch", &ran], "`--`").await;
     assert!(!scratch.path("ran").exists());
     refused(&["run", "--url", URL, "--key", "k", "--"], "CMD").await;
+    // An empty command is a bad argument (64), not a command not found.
+    refused(&["run", "--url", URL, "--key", "k", "--", ""], "empty").await;
 }
 
 #[tokio::test]
