@@ -40,22 +40,26 @@ without an expiry or of another format): it was left untouched.";
 /// Where the locks are: the backend URL and its table or prefix.
 const STORE_HELP: &str = "\
 Backends, by URL scheme:
-  redis://[user:pass@]host:port[/db], rediss://…
+  redis://[user:pass@]host:port[/db][?protocol=resp3], rediss://…
       one Redis server: the lock is the Redis key itself
-  redis+cluster://[user:pass@]host:port[,host:port…], rediss+cluster://…
+  redis+cluster://[user:pass@]host:port[,host:port…][?protocol=resp3],
+  rediss+cluster://…
       a Redis Cluster (7.0 or later), found from any of its nodes; the
-      user and password are used on every node
+      user, password and query are used on every node
   redis+sentinel://[user:pass@]host:port[,host:port…]/MASTER[?data_password=P&data_username=U&db=N]
       the primary that the Sentinels at host:port name MASTER; the user
       and password are the Sentinels' own, the query gives the data nodes'
       (their requirepass or ACL user, percent-encoded) and the database
   postgres://, postgresql://
       one row per key in a table, created once by `withlock migrate`
-      (`run` never creates it); see --schema and --table
+      (`run` never creates it); see --schema and --table; the query
+      takes sqlx's parameters (sslmode, sslrootcert, sslcert, sslkey,
+      application_name, options, …)
   etcd://[user:pass@]host[:port][,host[:port]…], etcds://…
       an etcd cluster (3.4 or later), in the key layout of etcd's own lock,
       so that `etcdctl lock KEY` and withlock exclude each other; the port
       defaults to 2379; etcds:// is TLS, checked against the system's roots
+A query parameter the URL's driver would ignore is refused (64).
 The URL may be read from a file (--url-file, WITHLOCK_URL_FILE), so that
 no password shows in `ps`. Every backend has the same list, inspect,
 status and release commands.";
