@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::exit::Failure;
+use crate::store::Scheme;
 
 /// The exit codes, as `--help` shows them.
 const EXIT_CODES: &str = "\
@@ -59,7 +60,10 @@ Backends, by URL scheme:
       an etcd cluster (3.4 or later), in the key layout of etcd's own lock,
       so that `etcdctl lock KEY` and withlock exclude each other; the port
       defaults to 2379; etcds:// is TLS, checked against the system's roots
-A query parameter the URL's driver would ignore is refused (64).
+A query parameter the URL's driver would ignore is refused (64), and so
+are --schema and --table for another backend than PostgreSQL and
+--redis-prefix for another than Redis (from the environment: a warning,
+none with `run -q`).
 The URL may be read from a file (--url-file, WITHLOCK_URL_FILE), so that
 no password shows in `ps`. Every backend has the same list, inspect,
 status and release commands.";
@@ -191,6 +195,53 @@ pub(crate) struct StoreArgs {
         default_value = ""
     )]
     pub(crate) redis_prefix: String,
+    /// Where `--schema`, `--table` and `--redis-prefix` came from (see
+    /// [`backend_options`](Self::backend_options)); set by `main` from
+    /// clap's matches.
+    #[arg(skip)]
+    pub(crate) sources: Sources,
+}
+
+/// Where an option's value came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Its default: not given.
+    #[default]
+    Default,
+    /// The environment variable.
+    Environment,
+    /// The command line.
+    CommandLine,
+}
+
+impl Source {
+    /// The source of the argument `id` in `matches`.
+    pub(crate) fn of(matches: &clap::ArgMatches, id: &str) -> Self {
+        match matches.value_source(id) {
+            Some(clap::parser::ValueSource::CommandLine) => Self::CommandLine,
+            Some(clap::parser::ValueSource::EnvVariable) => Self::Environment,
+            _ => Self::Default,
+        }
+    }
+}
+
+/// Where the options meant for one backend came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sources {
+    pub(crate) schema: Source,
+    pub(crate) table: Source,
+    pub(crate) redis_prefix: Source,
+}
+
+impl Sources {
+    /// The sources of the store options in a subcommand's `matches`.
+    pub(crate) fn of(matches: &clap::ArgMatches) -> Self {
+        Self {
+            schema: Source::of(matches, "schema"),
+            table: Source::of(matches, "table"),
+            redis_prefix: Source::of(matches, "redis_prefix"),
+        }
+    }
 }
 
 impl StoreArgs {
@@ -224,6 +275,66 @@ impl StoreArgs {
             }
         }
         Ok(())
+    }
+}
+
+impl StoreArgs {
+    /// Checks that the options meant for one backend (`--schema` and
+    /// `--table` for PostgreSQL, `--redis-prefix` for Redis) are not set
+    /// for another, which would ignore them: given on the command line,
+    /// a usage failure; from the environment (a host may export one set
+    /// for jobs on several backends), a warning, given back for the
+    /// caller to print.
+    pub(crate) fn backend_options(&self) -> Result<Vec<String>, Failure> {
+        let scheme = Scheme::of(&self.url)?;
+        let postgres = scheme == Scheme::Postgres;
+        let redis = matches!(
+            scheme,
+            Scheme::Redis | Scheme::RedisCluster { .. } | Scheme::RedisSentinel
+        );
+        let backend = match scheme {
+            Scheme::Postgres => "PostgreSQL",
+            Scheme::Etcd => "etcd",
+            _ => "Redis",
+        };
+        let mut warnings = Vec::new();
+        for (option, variable, source, meant, fits) in [
+            (
+                "--schema",
+                "WITHLOCK_PG_SCHEMA",
+                self.sources.schema,
+                "PostgreSQL",
+                postgres,
+            ),
+            (
+                "--table",
+                "WITHLOCK_PG_TABLE",
+                self.sources.table,
+                "PostgreSQL",
+                postgres,
+            ),
+            (
+                "--redis-prefix",
+                "WITHLOCK_REDIS_PREFIX",
+                self.sources.redis_prefix,
+                "Redis",
+                redis,
+            ),
+        ] {
+            match source {
+                _ if fits => {}
+                Source::Default => {}
+                Source::CommandLine => {
+                    return Err(Failure::usage(format!(
+                        "{option} is for {meant} only; the URL is {backend}'s, which would ignore it"
+                    )))
+                }
+                Source::Environment => warnings.push(format!(
+                    "warning: {variable} is set but ignored: it is for {meant} only, and the URL is {backend}'s"
+                )),
+            }
+        }
+        Ok(warnings)
     }
 }
 
