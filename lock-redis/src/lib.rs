@@ -12,6 +12,7 @@ mod cluster_subscription;
 mod config;
 mod durability;
 mod plumbing;
+mod same_server;
 mod sentinel;
 mod single_node;
 pub mod slot;

@@ -396,7 +396,7 @@ impl RedisSentinelBackend {
         let source = Arc::new(SentinelSource::new(sentinel)?);
         let pubsub = PubSubTarget::Sentinel(Arc::clone(&source));
         Ok(Self {
-            steps: SingleNode::new(source, pubsub, None, config),
+            steps: SingleNode::new(source, pubsub, false, config),
         })
     }
 

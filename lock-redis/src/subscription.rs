@@ -7,6 +7,7 @@
 //! it may have missed releases in between. It ends when the backend is
 //! dropped.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,6 +59,9 @@ struct Shared {
     prefix: String,
     hub: ReleaseHub,
     state: watch::Sender<State>,
+    /// How many times the subscription was made: a watch woken meanwhile
+    /// may have been woken by a resubscription, not a release.
+    made: AtomicU64,
     timeout: Duration,
     health_check_interval: Duration,
     max_reconnect_delay: Duration,
@@ -85,6 +89,7 @@ impl Subscription {
             prefix,
             hub: ReleaseHub::new(),
             state,
+            made: AtomicU64::new(0),
             timeout: config.step_timeout,
             health_check_interval: config.health_check_interval,
             max_reconnect_delay: config.max_reconnect_delay,
@@ -94,6 +99,13 @@ impl Subscription {
             shared,
             driver: Driver::default(),
         }
+    }
+
+    /// How many times the subscription was made so far: when it changes
+    /// while a watch waits, the watch may be woken by the resubscription
+    /// (which wakes every watch) rather than by a release.
+    pub(crate) fn times_made(&self) -> u64 {
+        self.shared.made.load(Ordering::Acquire)
     }
 
     /// Whether the subscription is in place now.
@@ -146,6 +158,7 @@ async fn run(shared: &Shared) {
         match subscribe(shared).await {
             Ok(pubsub) => {
                 delay = FIRST_RECONNECT_DELAY;
+                shared.made.fetch_add(1, Ordering::AcqRel);
                 shared.state.send_replace(State::Subscribed);
                 if !first {
                     // Releases may have been missed while not subscribed.
