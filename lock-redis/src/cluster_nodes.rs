@@ -590,7 +590,7 @@ impl Shared {
 }
 
 /// The `(host, port)` of a TCP address.
-fn address(addr: &ConnectionAddr) -> Option<Node> {
+pub(crate) fn address(addr: &ConnectionAddr) -> Option<Node> {
     match addr {
         ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
             Some((host.clone(), *port))

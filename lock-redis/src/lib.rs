@@ -14,6 +14,7 @@ mod durability;
 mod plumbing;
 mod same_server;
 mod sentinel;
+mod sentinel_watch;
 mod single_node;
 pub mod slot;
 mod subscription;

@@ -47,6 +47,12 @@ pub(crate) trait Source: Send + Sync + 'static {
 
     /// Whether the server is reached with a password.
     fn has_password(&self) -> bool;
+
+    /// Changes each time the connections taken so far must be dropped
+    /// (the Sentinels named another primary).
+    fn switches(&self) -> u64 {
+        0
+    }
 }
 
 impl<T: Source> Source for Arc<T> {
@@ -58,6 +64,10 @@ impl<T: Source> Source for Arc<T> {
 
     fn has_password(&self) -> bool {
         T::has_password(self)
+    }
+
+    fn switches(&self) -> u64 {
+        T::switches(self)
     }
 }
 
@@ -90,6 +100,9 @@ struct Inner<S> {
     /// The check that the pub/sub client, when the user gave it beside
     /// their own pool, hears the pool's server.
     same_server: Option<SameServer>,
+    /// The source's [`switches`](Source::switches) the connections in
+    /// `shared` and `durable` were taken at.
+    switches: AtomicU64,
     /// Acquisitions and releases on the wire, and those waiting to go out
     /// together.
     acquisitions: Batcher,
@@ -124,6 +137,7 @@ impl<S: Source> SingleNode<S> {
                 channel,
                 subscription,
                 same_server,
+                switches: AtomicU64::new(0),
                 acquisitions: Batcher::default(),
                 releases: Batcher::default(),
                 driver: Driver::default(),
@@ -268,6 +282,7 @@ impl<S: Source> SingleNode<S> {
     /// failed checkout is [`Unavailable`](BackendErrorKind::Unavailable):
     /// the step's request was not sent.
     pub(crate) async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
+        self.follow_switches();
         if let Some((_, conn)) = self.inner.shared.current() {
             return Ok(conn);
         }
@@ -285,6 +300,7 @@ impl<S: Source> SingleNode<S> {
         &self,
         slot: &ConnectionSlot,
     ) -> Result<(u64, MultiplexedConnection), BackendError> {
+        self.follow_switches();
         if let Some(current) = slot.current() {
             return Ok(current);
         }
@@ -292,6 +308,16 @@ impl<S: Source> SingleNode<S> {
         // makes its connections where it is asked for one), whichever
         // runtime this step runs on.
         Box::pin(slot.get_or_make(self.inner.driver.making(self.inner.source.connection()))).await
+    }
+
+    /// Drops the connections taken so far when the source says they go to
+    /// the wrong server now (the Sentinels named another primary).
+    fn follow_switches(&self) {
+        let switches = self.inner.source.switches();
+        if self.inner.switches.swap(switches, Ordering::AcqRel) != switches {
+            self.inner.shared.clear();
+            self.inner.durable.clear();
+        }
     }
 
     /// The acquisition script, then `WAIT` on the same connection, in one

@@ -40,6 +40,15 @@ pub(crate) enum PubSubTarget {
 }
 
 impl PubSubTarget {
+    /// For the Sentinel's primary: changes each time a majority of the
+    /// Sentinels names another primary, and the subscription must follow.
+    fn switches(&self) -> Option<watch::Receiver<u64>> {
+        match self {
+            Self::Client(_) => None,
+            Self::Sentinel(source) => Some(source.switch_changes()),
+        }
+    }
+
     async fn pubsub(&self) -> Result<redis::aio::PubSub, BackendError> {
         match self {
             Self::Client(client) => client.get_async_pubsub().await.map_err(map_redis_error),
@@ -155,6 +164,8 @@ async fn run(shared: &Shared) {
     let mut delay = FIRST_RECONNECT_DELAY;
     let mut first = true;
     loop {
+        // Before the connection is made: a switch meanwhile is seen.
+        let switches = shared.client.switches();
         match subscribe(shared).await {
             Ok(pubsub) => {
                 delay = FIRST_RECONNECT_DELAY;
@@ -168,7 +179,7 @@ async fn run(shared: &Shared) {
                 }
                 first = false;
                 tracing::debug!(channel = %shared.channel, "release subscription in place");
-                let why = listen(shared, pubsub).await;
+                let why = listen(shared, pubsub, switches).await;
                 tracing::debug!(error = %why, "release subscription lost; reconnecting");
                 shared.state.send_replace(State::Down(why));
             }
@@ -194,14 +205,25 @@ async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> 
     within("subscribing", shared.timeout, connect).await
 }
 
-/// Dispatches messages until the connection drops or fails a ping, and says
-/// why it stopped.
-async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
+/// Dispatches messages until the connection drops or fails a ping, or
+/// `switches` changes (the Sentinels named another primary), and says why
+/// it stopped.
+async fn listen(
+    shared: &Shared,
+    pubsub: redis::aio::PubSub,
+    mut switches: Option<watch::Receiver<u64>>,
+) -> BackendError {
     let (mut sink, mut messages) = pubsub.split();
     let mut health = ticker(shared.health_check_interval);
     health.tick().await;
     loop {
         tokio::select! {
+            Some(()) = switched(&mut switches) => {
+                return BackendError::message(
+                    BackendErrorKind::Request,
+                    "a majority of the Sentinels named another primary",
+                );
+            }
             message = messages.next() => {
                 let Some(message) = message else {
                     return BackendError::message(
@@ -218,5 +240,13 @@ async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
                 }
             }
         }
+    }
+}
+
+/// When `switches` changes; never without one (or once its sender is gone).
+async fn switched(switches: &mut Option<watch::Receiver<u64>>) -> Option<()> {
+    match switches {
+        Some(switches) => switches.changed().await.ok(),
+        None => std::future::pending().await,
     }
 }

@@ -114,4 +114,10 @@ impl ConnectionSlot {
             *current = None;
         }
     }
+
+    /// Forgets whichever connection there is: its server is no longer the
+    /// one to talk to (the Sentinels named another primary).
+    pub(crate) fn clear(&self) {
+        *self.lock() = None;
+    }
 }
