@@ -258,6 +258,22 @@ impl RedisBackend {
         self.steps.is_subscribed()
     }
 
+    /// The per-key structures of the backend and their sizes now, for
+    /// \[T2\] tests (not a stable interface). Each is 0 once no lock call
+    /// runs:
+    ///
+    /// - `release_watches`: keys a waiter watches (an entry lives while a
+    ///   watch on it does);
+    /// - `queued_acquisitions`, `queued_releases`: steps waiting to go out
+    ///   in the next batch.
+    ///
+    /// The connections, the scripts (one `SHA1` each, fixed) and the
+    /// release subscription are one per backend, not per key.
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        self.steps.state_counts()
+    }
+
     /// The steps, for the admin functions.
     pub(crate) fn steps(&self) -> &SingleNode<Pooled> {
         &self.steps

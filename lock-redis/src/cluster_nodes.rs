@@ -242,6 +242,11 @@ impl ClusterNodes {
         &self.inner.driver
     }
 
+    /// How many nodes have connections kept (made or not).
+    pub(crate) fn linked_nodes(&self) -> usize {
+        self.inner.lock_links().len()
+    }
+
     /// Whether some node connection is up.
     pub(crate) fn is_connected(&self) -> bool {
         self.inner

@@ -618,6 +618,13 @@ impl RedisSentinelBackend {
     pub fn is_subscribed(&self) -> bool {
         self.steps.is_subscribed()
     }
+
+    /// The per-key structures and their sizes now, as
+    /// [`RedisBackend::state_counts`] (not a stable interface).
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        self.steps.state_counts()
+    }
 }
 
 impl fmt::Debug for RedisSentinelBackend {

@@ -206,6 +206,22 @@ impl<S: Source> SingleNode<S> {
         &self.inner.channel
     }
 
+    /// The per-key structures and their sizes, for \[T2\] tests: see
+    /// [`RedisBackend::state_counts`](crate::RedisBackend::state_counts).
+    pub(crate) fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "release_watches",
+                self.inner
+                    .subscription
+                    .as_ref()
+                    .map_or(0, Subscription::watched_keys),
+            ),
+            ("queued_acquisitions", self.inner.acquisitions.queued()),
+            ("queued_releases", self.inner.releases.queued()),
+        ]
+    }
+
     /// Whether the release subscription is in place now.
     pub(crate) fn is_subscribed(&self) -> bool {
         self.inner

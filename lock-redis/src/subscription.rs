@@ -117,6 +117,11 @@ impl Subscription {
         self.shared.made.load(Ordering::Acquire)
     }
 
+    /// How many keys somebody watches.
+    pub(crate) fn watched_keys(&self) -> usize {
+        self.shared.hub.watched_keys()
+    }
+
     /// Whether the subscription is in place now.
     pub(crate) fn is_subscribed(&self) -> bool {
         matches!(*self.shared.state.borrow(), State::Subscribed)
