@@ -57,10 +57,13 @@ impl RedisBackend {
     ///
     /// `client` opens the one pub/sub connection of the backend; it must
     /// reach the same server as the pool. Nothing connects until the first
-    /// call. The first wait for a release checks that both reach the same
-    /// server (a probe published through the pool must reach the client):
-    /// if they do not, release notifications stay off
-    /// with an error logged once, and waiters poll every `retry_delay`.
+    /// call. The waits for a release check that both reach the same server
+    /// (a probe published through the pool must reach the client within
+    /// the step timeout) until a probe is heard. After 3 probes in a row
+    /// not heard, release notifications are off, with an error logged once
+    /// (and no error for each wait): waiters poll every `retry_delay`, and
+    /// a probe goes out again every 6 health-check intervals (30 s by
+    /// default), which turns them back on once heard.
     pub fn new(pool: Pool, client: redis::Client) -> Self {
         Self::build(pool, client, RedisConfig::default(), true)
     }
@@ -213,14 +216,8 @@ impl RedisBackend {
             server: format!("{server}/{}", info.redis.db),
             has_password: info.redis.password.is_some(),
         };
-        let separate_client = (separate && config.release_notifications).then(|| client.clone());
         Self {
-            steps: SingleNode::new(
-                source,
-                PubSubTarget::Client(client),
-                separate_client,
-                config,
-            ),
+            steps: SingleNode::new(source, PubSubTarget::Client(client), separate, config),
         }
     }
 
@@ -259,6 +256,22 @@ impl RedisBackend {
     /// notifications off, and before the first wait).
     pub fn is_subscribed(&self) -> bool {
         self.steps.is_subscribed()
+    }
+
+    /// The per-key structures of the backend and their sizes now, for
+    /// \[T2\] tests (not a stable interface). Each is 0 once no lock call
+    /// runs:
+    ///
+    /// - `release_watches`: keys a waiter watches (an entry lives while a
+    ///   watch on it does);
+    /// - `queued_acquisitions`, `queued_releases`: steps waiting to go out
+    ///   in the next batch.
+    ///
+    /// The connections, the scripts (one `SHA1` each, fixed) and the
+    /// release subscription are one per backend, not per key.
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        self.steps.state_counts()
     }
 
     /// The steps, for the admin functions.

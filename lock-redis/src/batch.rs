@@ -100,6 +100,11 @@ impl Batcher {
     /// Counts a step in as going out alone, if it may: then the caller
     /// must call [`finished`](Self::finished) once it is answered (or
     /// dropped).
+    /// How many steps wait to go out in the next batch.
+    pub(crate) fn queued(&self) -> usize {
+        self.state().queue.len()
+    }
+
     pub(crate) fn go_alone(&self) -> bool {
         let mut state = self.state();
         if state.in_flight < MAX_IN_FLIGHT && state.queue.is_empty() {

@@ -313,6 +313,40 @@ impl RedisClusterBackend {
             .unwrap_or_default()
     }
 
+    /// The per-key structures of the backend and their sizes now, for
+    /// \[T2\] tests (not a stable interface). Once no lock call runs:
+    ///
+    /// - `release_watches` (keys a waiter watches), `slots_watched` (slots
+    ///   a watch needs), `queued_steps` (steps waiting to go out in a
+    ///   batch): 0;
+    /// - `shard_channels`: slots whose shard channel is wanted or
+    ///   subscribed; 0 once the subscription task's sweep (every second)
+    ///   has unsubscribed those no waiter needs;
+    /// - per node, not per key: `subscription_links` (the subscription's
+    ///   connections), `node_links` (the steps' connections; nodes that
+    ///   left the slot map are dropped at the next read of it), and
+    ///   `batched_masters` (the masters steps went to): at most the
+    ///   cluster's nodes.
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        let (batched_masters, queued_steps) = self.inner.batchers.counts();
+        let mut counts = vec![
+            ("queued_steps", queued_steps),
+            ("batched_masters", batched_masters),
+            ("node_links", self.inner.nodes.linked_nodes()),
+        ];
+        match &self.inner.subscription {
+            Some(subscription) => counts.extend(subscription.state_counts()),
+            None => counts.extend([
+                ("release_watches", 0),
+                ("slots_watched", 0),
+                ("shard_channels", 0),
+                ("subscription_links", 0),
+            ]),
+        }
+        counts
+    }
+
     pub(crate) fn nodes(&self) -> &ClusterNodes {
         &self.inner.nodes
     }

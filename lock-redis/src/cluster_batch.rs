@@ -56,6 +56,16 @@ struct OfMaster {
 }
 
 impl Batchers {
+    /// How many masters have batchers, and the steps queued in all of them.
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        let masters = self.masters.lock().unwrap_or_else(PoisonError::into_inner);
+        let queued = masters
+            .values()
+            .map(|m| m.acquisitions.queued() + m.releases.queued())
+            .sum();
+        (masters.len(), queued)
+    }
+
     fn get(&self, master: &Node, kind: Kind) -> Arc<Batcher> {
         let mut masters = self.masters.lock().unwrap_or_else(PoisonError::into_inner);
         // Looked up before it is made: no key is copied on every step.

@@ -31,7 +31,7 @@
 //!   or refused connection) drops that node's connection only.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -42,7 +42,7 @@ use redis::{AsyncConnectionConfig, ConnectionAddr, ConnectionInfo, ErrorKind, Re
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::plumbing::connection::{is_broken, open};
+use crate::plumbing::connection::{is_broken, open, ConnectionSlot};
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::scripts::Lua;
@@ -161,23 +161,15 @@ pub(crate) struct MapState {
     failed: Option<BackendError>,
 }
 
-/// One connection of a node, made on first use and after a broken one was
-/// forgotten. Each connection has a generation, so that a step that saw an
-/// old one failing does not forget a newer one.
-#[derive(Default)]
-struct Slot {
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
-    connecting: tokio::sync::Mutex<()>,
-}
-
+/// A node's connections, one per lane.
 #[derive(Default)]
 struct NodeLinks {
-    steps: Slot,
-    durable: Slot,
+    steps: ConnectionSlot,
+    durable: ConnectionSlot,
 }
 
 impl NodeLinks {
-    fn slot(&self, lane: Lane) -> &Slot {
+    fn slot(&self, lane: Lane) -> &ConnectionSlot {
         match lane {
             Lane::Steps => &self.steps,
             Lane::Durable => &self.durable,
@@ -201,7 +193,6 @@ struct Shared {
     timeout: Duration,
     links: Mutex<HashMap<Node, Arc<NodeLinks>>>,
     map: watch::Sender<MapState>,
-    generation: AtomicU64,
     /// A read of the slot map runs or is due.
     refreshing: AtomicBool,
     /// Another read was asked for while one ran.
@@ -222,7 +213,6 @@ impl ClusterNodes {
                 timeout,
                 links: Mutex::new(HashMap::new()),
                 map,
-                generation: AtomicU64::new(0),
                 refreshing: AtomicBool::new(false),
                 again: AtomicBool::new(false),
                 driver: Driver::default(),
@@ -250,6 +240,11 @@ impl ClusterNodes {
     /// subscription's).
     pub(crate) fn driver(&self) -> &Driver {
         &self.inner.driver
+    }
+
+    /// How many nodes have connections kept (made or not).
+    pub(crate) fn linked_nodes(&self) -> usize {
+        self.inner.lock_links().len()
     }
 
     /// Whether some node connection is up.
@@ -349,10 +344,7 @@ impl ClusterNodes {
     /// the slot map again.
     pub(crate) fn forget(&self, node: &Node, lane: Lane, generation: u64) {
         if let Some(links) = self.inner.lock_links().get(node) {
-            let mut current = links.slot(lane).lock();
-            if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-                *current = None;
-            }
+            links.slot(lane).forget(generation);
         }
         self.refresh();
     }
@@ -495,28 +487,17 @@ impl Shared {
         lane: Lane,
     ) -> Result<(u64, MultiplexedConnection), BackendError> {
         let links = self.links(node);
-        let slot = links.slot(lane);
-        if let Some(current) = slot.current() {
-            return Ok(current);
-        }
-        let _one_at_a_time = slot.connecting.lock().await;
-        if let Some(current) = slot.current() {
-            return Ok(current);
-        }
         // Made on the backend's runtime, which then drives it, whichever
         // runtime the step that needed it runs on.
-        let conn = self
-            .driver
-            .making(open(
+        links
+            .slot(lane)
+            .get_or_make(self.driver.making(open(
                 "connecting",
                 self.info(node),
                 self.timeout,
                 AsyncConnectionConfig::new(),
-            ))
-            .await?;
-        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
-        *slot.lock() = Some((generation, conn.clone()));
-        Ok((generation, conn))
+            )))
+            .await
     }
 
     /// One read of the slot map: every known node (and every node given)
@@ -549,10 +530,7 @@ impl Shared {
                         Err(error) => {
                             if is_broken(&error) {
                                 if let Some(links) = self.lock_links().get(node) {
-                                    let mut current = links.steps.lock();
-                                    if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-                                        *current = None;
-                                    }
+                                    links.steps.forget(generation);
                                 }
                             }
                             Err(map_node_error(error))
@@ -616,18 +594,8 @@ impl Shared {
     }
 }
 
-impl Slot {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(u64, MultiplexedConnection)>> {
-        self.current.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
-        self.lock().clone()
-    }
-}
-
 /// The `(host, port)` of a TCP address.
-fn address(addr: &ConnectionAddr) -> Option<Node> {
+pub(crate) fn address(addr: &ConnectionAddr) -> Option<Node> {
     match addr {
         ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
             Some((host.clone(), *port))

@@ -160,6 +160,18 @@ impl ShardedSubscription {
         }
     }
 
+    /// The per-key structures: see
+    /// [`RedisClusterBackend::state_counts`](crate::RedisClusterBackend::state_counts).
+    pub(crate) fn state_counts(&self) -> [(&'static str, usize); 4] {
+        let state = self.shared.state();
+        [
+            ("release_watches", self.shared.hub.watched_keys()),
+            ("slots_watched", self.shared.needed.watched_keys()),
+            ("shard_channels", state.channels.len()),
+            ("subscription_links", state.links.len()),
+        ]
+    }
+
     pub(crate) fn is_subscribed(&self) -> bool {
         self.shared
             .state()

@@ -1,6 +1,8 @@
 //! `RedisSentinelBackend`: the single-node backend on the primary that Redis
 //! Sentinel names, looked up again whenever a connection breaks or answers
-//! `READONLY` (a demoted primary still answers `PING`).
+//! `READONLY` (a demoted primary still answers `PING`), and followed to the
+//! primary a majority of the Sentinels announces (`+switch-master`, see
+//! [`crate::sentinel_watch`]).
 
 use std::fmt;
 use std::sync::Arc;
@@ -8,16 +10,19 @@ use std::sync::Arc;
 use lock_core::{BackendError, BackendErrorKind};
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{ConnectionAddr, ErrorKind};
+use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, RedisConnectionInfo};
 
 #[cfg(doc)]
 use crate::backend::RedisBackend;
+use crate::cluster_nodes::{address, Node};
 use crate::config::{
     connect_error, is_auth_refusal, AuthenticationRefused, RedisConfig, SetupError,
 };
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
+use crate::plumbing::task::OnFirstUse;
+use crate::sentinel_watch::{follow, Announcements, Sentinels};
 use crate::single_node::{single_node_lock_backend, SingleNode, Source};
 use crate::subscription::PubSubTarget;
 use crate::tls::Trust;
@@ -165,6 +170,58 @@ impl SentinelConfig {
         &self.master_name
     }
 
+    /// How each Sentinel is reached: its address, the Sentinels'
+    /// credentials, and the certificates for `rediss://` ones.
+    fn sentinel_infos(&self) -> Result<Vec<ConnectionInfo>, SetupError> {
+        self.sentinels
+            .iter()
+            .map(|addr| {
+                let info = ConnectionInfo {
+                    addr: addr.clone(),
+                    redis: RedisConnectionInfo {
+                        username: self.sentinel_username.clone(),
+                        password: self.sentinel_password.clone(),
+                        ..RedisConnectionInfo::default()
+                    },
+                };
+                if matches!(addr, ConnectionAddr::TcpTls { .. }) {
+                    self.trust.apply(info)
+                } else {
+                    Ok(info)
+                }
+            })
+            .collect()
+    }
+
+    /// How the data node at `node` is reached: its credentials, database
+    /// and TLS.
+    fn data_node_info(&self, (host, port): &Node) -> Result<ConnectionInfo, SetupError> {
+        let addr = if self.data_node_tls {
+            ConnectionAddr::TcpTls {
+                host: host.clone(),
+                port: *port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(host.clone(), *port)
+        };
+        let info = ConnectionInfo {
+            addr,
+            redis: RedisConnectionInfo {
+                db: self.data_node_db,
+                username: self.data_node_username.clone(),
+                password: self.data_node_password.clone(),
+                ..RedisConnectionInfo::default()
+            },
+        };
+        if self.data_node_tls {
+            self.trust.apply(info)
+        } else {
+            Ok(info)
+        }
+    }
+
     /// The `redis` crate's client for the primary.
     fn client(&self) -> Result<SentinelClient, SetupError> {
         let mut builder = SentinelClientBuilder::new(
@@ -242,28 +299,75 @@ impl fmt::Debug for SentinelConfig {
 pub(crate) struct SentinelSource {
     config: SentinelConfig,
     client: tokio::sync::Mutex<SentinelClient>,
+    /// What the Sentinels announce, followed by a task started at the
+    /// first look-up (see [`crate::sentinel_watch`]).
+    announcements: Arc<Announcements>,
+    follower: OnFirstUse<Sentinels>,
     /// Where the client's connections to the Sentinels (which it keeps
-    /// between look-ups) are made and driven.
+    /// between look-ups) are made and driven, and the follower runs.
     driver: Driver,
 }
 
 impl SentinelSource {
-    fn new(config: SentinelConfig) -> Result<Self, SetupError> {
+    fn new(config: SentinelConfig, redis: &RedisConfig) -> Result<Self, SetupError> {
         let client = config.client()?;
+        let sentinels = Sentinels {
+            infos: config.sentinel_infos()?,
+            timeout: redis.step_timeout,
+            health_check_interval: redis.health_check_interval,
+            max_reconnect_delay: redis.max_reconnect_delay,
+        };
         Ok(Self {
+            announcements: Arc::new(Announcements::new(
+                &config.master_name,
+                config.sentinels.len(),
+            )),
+            follower: OnFirstUse::new(sentinels),
             config,
             client: tokio::sync::Mutex::new(client),
             driver: Driver::default(),
         })
     }
 
-    /// A client for the primary, asked of the Sentinels now; the `redis`
-    /// crate checks that the server it names says it is a master (`ROLE`).
-    /// Failures are [`Unavailable`](BackendErrorKind::Unavailable): nothing
-    /// was sent to the primary; refused credentials and certificates are
+    /// A client for the primary: the one a majority of the Sentinels names
+    /// now, as their announcements and the follower's reads say; else
+    /// asked of the Sentinels now, and the `redis` crate checks that the
+    /// server it names says it is a master (`ROLE`). Failures are
+    /// [`Unavailable`](BackendErrorKind::Unavailable): nothing was sent to
+    /// the primary; refused credentials and certificates are
     /// [`Setup`](BackendErrorKind::Setup), and say whose.
     pub(crate) async fn master(&self) -> Result<redis::Client, BackendError> {
-        self.driver.making(self.ask_master()).await
+        self.follow();
+        let client = match self.announcements.agreed() {
+            Some(node) => redis::Client::open(
+                self.config
+                    .data_node_info(&node)
+                    .map_err(BackendError::setup)?,
+            )
+            .map_err(BackendError::unavailable)?,
+            None => self.driver.making(self.ask_master()).await?,
+        };
+        if let Some(node) = address(&client.get_connection_info().addr) {
+            self.announcements.following(node);
+        }
+        Ok(client)
+    }
+
+    /// Starts following the Sentinels' announcements, the first time.
+    fn follow(&self) {
+        let announcements = Arc::clone(&self.announcements);
+        let master_name = self.config.master_name.clone();
+        self.follower.start(&self.driver, move |sentinels| {
+            (follow(announcements, sentinels), move || {
+                tracing::debug!(%master_name, "following the Sentinels ended");
+            })
+        });
+    }
+
+    /// Changes each time a majority of the Sentinels names another primary
+    /// than the one the connections go to.
+    pub(crate) fn switch_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.announcements.switch_changes()
     }
 
     async fn ask_master(&self) -> Result<redis::Client, BackendError> {
@@ -295,7 +399,12 @@ impl Source for SentinelSource {
             .await?
             .get_multiplexed_async_connection()
             .await
-            .map_err(BackendError::unavailable)
+            .map_err(crate::config::connection_error)
+    }
+
+    /// Counts the times a majority of the Sentinels named another primary.
+    fn switches(&self) -> u64 {
+        self.announcements.switches()
     }
 
     /// Whether the data nodes are reached with a password.
@@ -393,10 +502,10 @@ impl RedisSentinelBackend {
     pub fn with_config(sentinel: SentinelConfig, config: RedisConfig) -> Result<Self, SetupError> {
         config.validate()?;
         crate::durability::validate(&config)?;
-        let source = Arc::new(SentinelSource::new(sentinel)?);
+        let source = Arc::new(SentinelSource::new(sentinel, &config)?);
         let pubsub = PubSubTarget::Sentinel(Arc::clone(&source));
         Ok(Self {
-            steps: SingleNode::new(source, pubsub, None, config),
+            steps: SingleNode::new(source, pubsub, false, config),
         })
     }
 
@@ -508,6 +617,13 @@ impl RedisSentinelBackend {
     /// Whether the release subscription is in place now.
     pub fn is_subscribed(&self) -> bool {
         self.steps.is_subscribed()
+    }
+
+    /// The per-key structures and their sizes now, as
+    /// [`RedisBackend::state_counts`] (not a stable interface).
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        self.steps.state_counts()
     }
 }
 

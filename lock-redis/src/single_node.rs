@@ -8,10 +8,10 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::FutureExt;
 #[cfg(doc)]
 use lock_core::LockBackend;
 use lock_core::{
@@ -24,13 +24,14 @@ use redis::FromRedisValue;
 use crate::backend::CHANNEL;
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
-use crate::plumbing::connection::step_broke;
+use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, RELEASE, RELEASE_BATCH};
 use crate::plumbing::timeout::within;
+use crate::same_server::{Next, SameServer};
 use crate::sentinel::connected_replicas;
 use crate::slot::fence_key;
 use crate::subscription::{PubSubTarget, Subscription};
@@ -46,6 +47,12 @@ pub(crate) trait Source: Send + Sync + 'static {
 
     /// Whether the server is reached with a password.
     fn has_password(&self) -> bool;
+
+    /// Changes each time the connections taken so far must be dropped
+    /// (the Sentinels named another primary).
+    fn switches(&self) -> u64 {
+        0
+    }
 }
 
 impl<T: Source> Source for Arc<T> {
@@ -57,6 +64,10 @@ impl<T: Source> Source for Arc<T> {
 
     fn has_password(&self) -> bool {
         T::has_password(self)
+    }
+
+    fn switches(&self) -> u64 {
+        T::switches(self)
     }
 }
 
@@ -79,17 +90,19 @@ struct Inner<S> {
     /// One multiplexed connection taken from the source, shared by every
     /// step: a pool checkout costs a `PING` round trip each time. Dropped
     /// after a connection error or timeout; the next step takes a new one.
-    shared: std::sync::Mutex<Option<MultiplexedConnection>>,
+    shared: ConnectionSlot,
     /// The connection of acquisitions that `WAIT` for replicas, so that a
     /// slow `WAIT` never holds up the extensions on `shared`.
-    durable: std::sync::Mutex<Option<MultiplexedConnection>>,
+    durable: ConnectionSlot,
     config: RedisConfig,
     channel: String,
     subscription: Option<Subscription>,
-    /// The pub/sub client, when the user gave it beside their own pool: it
-    /// must reach the same server, which the first watch checks.
-    separate_client: Option<redis::Client>,
-    same_server: tokio::sync::OnceCell<Result<(), BackendError>>,
+    /// The check that the pub/sub client, when the user gave it beside
+    /// their own pool, hears the pool's server.
+    same_server: Option<SameServer>,
+    /// The source's [`switches`](Source::switches) the connections in
+    /// `shared` and `durable` were taken at.
+    switches: AtomicU64,
     /// Acquisitions and releases on the wire, and those waiting to go out
     /// together.
     acquisitions: Batcher,
@@ -100,15 +113,17 @@ struct Inner<S> {
 
 impl<S: Source> SingleNode<S> {
     /// The steps on `source` with `config`, release notifications (when on)
-    /// over a subscription to `pubsub`. `separate_client`: the pub/sub
-    /// client the user gave beside their own pool, checked at the first
-    /// watch to reach the same server.
+    /// over a subscription to `pubsub`. `separate_client`: whether the
+    /// pub/sub client is one the user gave beside their own pool, which the
+    /// waits check to hear the same server (see [`crate::same_server`]).
     pub(crate) fn new(
         source: S,
         pubsub: PubSubTarget,
-        separate_client: Option<redis::Client>,
+        separate_client: bool,
         config: RedisConfig,
     ) -> Self {
+        let same_server = (separate_client && config.release_notifications)
+            .then(|| SameServer::new(config.health_check_interval));
         let channel = format!("{}{CHANNEL}", config.prefix);
         let subscription = config
             .release_notifications
@@ -116,13 +131,13 @@ impl<S: Source> SingleNode<S> {
         Self {
             inner: Arc::new(Inner {
                 source,
-                shared: std::sync::Mutex::new(None),
-                durable: std::sync::Mutex::new(None),
+                shared: ConnectionSlot::default(),
+                durable: ConnectionSlot::default(),
                 config,
                 channel,
                 subscription,
-                separate_client,
-                same_server: tokio::sync::OnceCell::new(),
+                same_server,
+                switches: AtomicU64::new(0),
                 acquisitions: Batcher::default(),
                 releases: Batcher::default(),
                 driver: Driver::default(),
@@ -134,8 +149,7 @@ impl<S: Source> SingleNode<S> {
     pub(crate) async fn check_primary(&self) -> Result<(), SetupError> {
         let durability = self.inner.config.durability;
         let available = self
-            .bounded("connecting", async {
-                let mut conn = self.connection().await?;
+            .bounded("connecting", |mut conn| async move {
                 redis::cmd("PING")
                     .query_async::<String>(&mut conn)
                     .await
@@ -192,6 +206,22 @@ impl<S: Source> SingleNode<S> {
         &self.inner.channel
     }
 
+    /// The per-key structures and their sizes, for \[T2\] tests: see
+    /// [`RedisBackend::state_counts`](crate::RedisBackend::state_counts).
+    pub(crate) fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (
+                "release_watches",
+                self.inner
+                    .subscription
+                    .as_ref()
+                    .map_or(0, Subscription::watched_keys),
+            ),
+            ("queued_acquisitions", self.inner.acquisitions.queued()),
+            ("queued_releases", self.inner.releases.queued()),
+        ]
+    }
+
     /// Whether the release subscription is in place now.
     pub(crate) fn is_subscribed(&self) -> bool {
         self.inner
@@ -214,72 +244,95 @@ impl<S: Source> SingleNode<S> {
         .field("config", &self.inner.config)
     }
 
-    /// Runs `work` within the command timeout.
-    fn bounded<'a, T: 'a>(
+    /// Runs `work` on the shared connection within the command timeout.
+    fn bounded<'a, T: 'a, F>(
         &'a self,
         step: &'static str,
-        work: impl Future<Output = Result<T, BackendError>> + 'a,
-    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
-        self.bounded_for(step, self.inner.config.step_timeout, work)
+        work: impl FnOnce(MultiplexedConnection) -> F + 'a,
+    ) -> impl Future<Output = Result<T, BackendError>> + 'a
+    where
+        F: Future<Output = Result<T, BackendError>> + 'a,
+    {
+        self.bounded_on(
+            &self.inner.shared,
+            step,
+            self.inner.config.step_timeout,
+            work,
+        )
     }
 
-    /// Runs `work` within `limit`, and forgets the shared connections
-    /// after an error that may mean they are broken.
-    fn bounded_for<'a, T: 'a>(
-        &'a self,
+    /// Runs `work` on the connection in `slot` (made if there is none)
+    /// within `limit`, and forgets that connection after an error that may
+    /// mean it is broken, so the next step takes a fresh one from the pool
+    /// (or asks the Sentinels again). `READONLY` counts: the server was
+    /// demoted to a replica, and still answers `PING`. A connection another
+    /// step has made since stays.
+    async fn bounded_on<T, F>(
+        &self,
+        slot: &ConnectionSlot,
         step: &'static str,
         limit: Duration,
-        work: impl Future<Output = Result<T, BackendError>> + 'a,
-    ) -> impl Future<Output = Result<T, BackendError>> + 'a {
-        within(step, limit, work).map(move |answer| {
-            if let Err(error) = &answer {
-                self.forget_connection_after(error);
-            }
-            answer
+        work: impl FnOnce(MultiplexedConnection) -> F,
+    ) -> Result<T, BackendError>
+    where
+        F: Future<Output = Result<T, BackendError>>,
+    {
+        // The generation of the connection used, 0 before one was had.
+        let used = AtomicU64::new(0);
+        let answer = within(step, limit, async {
+            let (generation, conn) = self.connection_in(slot).await?;
+            used.store(generation, Ordering::Relaxed);
+            work(conn).await
         })
+        .await;
+        if let Err(error) = &answer {
+            let generation = used.load(Ordering::Relaxed);
+            if generation != 0 && step_broke(error) {
+                slot.forget(generation);
+            }
+        }
+        answer
     }
 
     /// The shared connection, taken from the source if there is none. A
     /// failed checkout is [`Unavailable`](BackendErrorKind::Unavailable):
     /// the step's request was not sent.
     pub(crate) async fn connection(&self) -> Result<MultiplexedConnection, BackendError> {
-        if let Some(conn) = lock_slot(&self.inner.shared).as_ref() {
-            return Ok(conn.clone());
+        self.follow_switches();
+        if let Some((_, conn)) = self.inner.shared.current() {
+            return Ok(conn);
         }
         // Boxed: making a connection is a large future, which every step's
         // own future would carry (and copy) on every call otherwise.
-        Box::pin(self.connection_in(&self.inner.shared)).await
+        Box::pin(self.connection_in(&self.inner.shared))
+            .await
+            .map(|(_, conn)| conn)
     }
 
-    /// The connection kept in `slot`, made if there is none: taken from
-    /// the source (the pool, or the primary the Sentinels name now).
+    /// The connection kept in `slot` and its generation, made if there is
+    /// none: taken from the source (the pool, or the primary the Sentinels
+    /// name now).
     async fn connection_in(
         &self,
-        slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
-    ) -> Result<MultiplexedConnection, BackendError> {
-        if let Some(conn) = lock_slot(slot).as_ref() {
-            return Ok(conn.clone());
+        slot: &ConnectionSlot,
+    ) -> Result<(u64, MultiplexedConnection), BackendError> {
+        self.follow_switches();
+        if let Some(current) = slot.current() {
+            return Ok(current);
         }
         // Made on the backend's runtime, which then drives it (a pool
         // makes its connections where it is asked for one), whichever
         // runtime this step runs on.
-        let conn = self
-            .inner
-            .driver
-            .making(self.inner.source.connection())
-            .await?;
-        *lock_slot(slot) = Some(conn.clone());
-        Ok(conn)
+        Box::pin(slot.get_or_make(self.inner.driver.making(self.inner.source.connection()))).await
     }
 
-    /// Forgets the shared connections after an error that may mean they
-    /// are broken, so the next step takes a fresh one from the pool (or
-    /// asks the Sentinels again). `READONLY` counts: the server was demoted
-    /// to a replica, and still answers `PING`.
-    fn forget_connection_after(&self, error: &BackendError) {
-        if step_broke(error) {
-            *lock_slot(&self.inner.shared) = None;
-            *lock_slot(&self.inner.durable) = None;
+    /// Drops the connections taken so far when the source says they go to
+    /// the wrong server now (the Sentinels named another primary).
+    fn follow_switches(&self) {
+        let switches = self.inner.source.switches();
+        if self.inner.switches.swap(switches, Ordering::AcqRel) != switches {
+            self.inner.shared.clear();
+            self.inner.durable.clear();
         }
     }
 
@@ -294,27 +347,31 @@ impl<S: Source> SingleNode<S> {
         ttl: Duration,
     ) -> Result<i64, BackendError> {
         let limit = self.inner.config.step_timeout + durability.timeout;
-        self.bounded_for("acquisition", limit, async {
-            let mut conn = self.connection_in(&self.inner.durable).await?;
-            let mut pipe = ACQUIRE.pipe(
-                &keys,
-                &[
-                    owner.as_str(),
-                    &ttl_ms(ttl),
-                    &self.inner.config.fence_ttl_ms(ttl),
-                ],
-            );
-            pipe.cmd("WAIT")
-                .arg(durability.replicas)
-                .arg(ttl_ms(durability.timeout));
-            let (answer, acked): (i64, i64) = ACQUIRE.run(&mut conn, &pipe).await?;
-            if answer <= 0 || acked >= i64::from(durability.replicas) {
-                return Ok(answer);
-            }
-            let release = RELEASE.call(&keys[..1], &[owner.as_str(), &self.inner.channel]);
-            let released = RELEASE.run(&mut conn, &release).await;
-            Err(crate::durability::shortfall(acked, durability, released))
-        })
+        self.bounded_on(
+            &self.inner.durable,
+            "acquisition",
+            limit,
+            |mut conn| async move {
+                let mut pipe = ACQUIRE.pipe(
+                    &keys,
+                    &[
+                        owner.as_str(),
+                        &ttl_ms(ttl),
+                        &self.inner.config.fence_ttl_ms(ttl),
+                    ],
+                );
+                pipe.cmd("WAIT")
+                    .arg(durability.replicas)
+                    .arg(ttl_ms(durability.timeout));
+                let (answer, acked): (i64, i64) = ACQUIRE.run(&mut conn, &pipe).await?;
+                if answer <= 0 || acked >= i64::from(durability.replicas) {
+                    return Ok(answer);
+                }
+                let release = RELEASE.call(&keys[..1], &[owner.as_str(), &self.inner.channel]);
+                let released = RELEASE.run(&mut conn, &release).await;
+                Err(crate::durability::shortfall(acked, durability, released))
+            },
+        )
         .await
     }
 
@@ -328,10 +385,11 @@ impl<S: Source> SingleNode<S> {
         args: &[&str],
     ) -> Result<T, BackendError> {
         let call = script.call(keys, args);
-        self.bounded(step, async {
-            let mut conn = self.connection().await?;
-            script.run(&mut conn, &call).await
-        })
+        let call = &call;
+        self.bounded(
+            step,
+            |mut conn| async move { script.run(&mut conn, call).await },
+        )
         .await
     }
 }
@@ -399,7 +457,8 @@ impl<S: Source> SingleNode<S> {
         if let Some(batch) = self.batcher(step).queue(Queued { keys, args, answer }) {
             self.send_batch(step, batch);
         }
-        self.bounded(step.name(), async {
+        // The batch's own run forgets its connection if it broke.
+        within(step.name(), self.inner.config.step_timeout, async {
             answered.await.unwrap_or_else(|_| {
                 Err(BackendError::message(
                     BackendErrorKind::Request,
@@ -499,13 +558,6 @@ fn protocol_error(step: &str, error: &redis::RedisError) -> BackendError {
     )
 }
 
-fn lock_slot(
-    slot: &std::sync::Mutex<Option<MultiplexedConnection>>,
-) -> std::sync::MutexGuard<'_, Option<MultiplexedConnection>> {
-    slot.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl<S: Source> SingleNode<S> {
     /// The extensions of [`LockBackend::extend_many`] as one pipeline of
     /// `EVALSHA` of the extension script: one round trip.
@@ -527,10 +579,10 @@ impl<S: Source> SingleNode<S> {
                 ],
             );
         }
+        let pipe = &pipe;
         let answers: Vec<i64> = self
-            .bounded("extension", async {
-                let mut conn = self.connection().await?;
-                EXTEND.run(&mut conn, &pipe).await
+            .bounded("extension", |mut conn| async move {
+                EXTEND.run(&mut conn, pipe).await
             })
             .await?;
         if answers.len() != requests.len() {
@@ -542,26 +594,24 @@ impl<S: Source> SingleNode<S> {
         answers.into_iter().map(extend_outcome).collect()
     }
 
-    /// Checks that the pub/sub client hears releases published through the
+    /// Whether the pub/sub client hears a release published through the
     /// pool: a probe published on the release channel, for a key nobody
-    /// locks, must reach the backend's own subscription. Needs only the
-    /// rights the lock steps need (`PUBLISH` and `SUBSCRIBE` on the release
-    /// channel), not `INFO` \[D3\]. `Err` (not cached): the check itself
-    /// failed; `Ok(Err)` (cached): the probe was not heard, and
-    /// notifications stay off.
-    async fn check_same_server(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Result<(), BackendError>, BackendError> {
+    /// locks, must reach the backend's own subscription within the step
+    /// timeout. Needs only the rights the lock steps need (`PUBLISH` and
+    /// `SUBSCRIBE` on the release channel), not `INFO` \[D3\]. `Err`: the
+    /// probe could not be sent. A watch woken by a resubscription (which
+    /// wakes every watch) counts as not heard.
+    async fn probe(&self, subscription: &Subscription) -> Result<bool, BackendError> {
         let probe = format!("withlock-probe:{:032x}", rand::random::<u128>());
         let mut watch = subscription.watch(&probe).await?;
+        let made = subscription.times_made();
         let lock_key = self.lock_key(&probe).into_owned();
+        let lock_key = &lock_key;
         let _receivers: i64 = self
-            .bounded("probing the release channel", async {
-                let mut conn = self.connection().await?;
+            .bounded("probing the release channel", |mut conn| async move {
                 redis::cmd("PUBLISH")
                     .arg(&self.inner.channel)
-                    .arg(&lock_key)
+                    .arg(lock_key)
                     .query_async(&mut conn)
                     .await
                     .map_err(map_redis_error)
@@ -570,20 +620,60 @@ impl<S: Source> SingleNode<S> {
         let heard = tokio::time::timeout(self.inner.config.step_timeout, watch.released())
             .await
             .is_ok();
-        if heard {
-            return Ok(Ok(()));
+        // Woken by a resubscription, which wakes every watch, the probe was
+        // not heard for sure.
+        Ok(heard && subscription.times_made() == made)
+    }
+
+    /// Probes and reports to `check`; whether the wait watches now.
+    async fn probe_for(
+        &self,
+        check: &SameServer,
+        subscription: &Subscription,
+    ) -> Result<bool, BackendError> {
+        match self.probe(subscription).await {
+            Ok(heard) => {
+                Ok(check.probed(heard, &self.inner.channel, self.inner.config.step_timeout))
+            }
+            Err(error) => {
+                check.failed(&error);
+                Err(error)
+            }
         }
-        tracing::error!(
-            channel = %self.inner.channel,
-            "the pub/sub client given to RedisBackend does not hear releases published through the pool (it reaches another Redis server): release notifications are off, waiters poll every retry_delay"
-        );
-        Ok(Err(BackendError::message(
-            BackendErrorKind::Protocol,
-            format!(
-                "the pub/sub client does not hear a probe published through the pool on {:?} within {:?}: it reaches another Redis server; release notifications are off",
-                self.inner.channel, self.inner.config.step_timeout
-            ),
-        )))
+    }
+
+    /// A watch on `key` over `subscription`, unless the pub/sub client was
+    /// found not to hear the pool's server (see [`crate::same_server`]):
+    /// then a watch that never fires, and the wait polls.
+    async fn checked_watch(
+        &self,
+        subscription: &Subscription,
+        key: &str,
+    ) -> Result<ReleaseWatch, BackendError> {
+        if let Some(check) = &self.inner.same_server {
+            match check.next() {
+                Next::Watch => {}
+                Next::Poll => return Ok(ReleaseWatch::never()),
+                Next::Probe => {
+                    if !self.probe_for(check, subscription).await? {
+                        return Ok(ReleaseWatch::never());
+                    }
+                }
+                Next::PollAndProbe => {
+                    let backend = self.clone();
+                    self.inner.driver.spawn(async move {
+                        if let (Some(check), Some(subscription)) =
+                            (&backend.inner.same_server, &backend.inner.subscription)
+                        {
+                            // A failure is logged by the check, at debug.
+                            let _ = backend.probe_for(check, subscription).await;
+                        }
+                    });
+                    return Ok(ReleaseWatch::never());
+                }
+            }
+        }
+        subscription.watch(key).await
     }
 }
 
@@ -728,14 +818,7 @@ impl<S: Source> SingleNode<S> {
         let Some(subscription) = &self.inner.subscription else {
             return Ok(ReleaseWatch::never());
         };
-        if self.inner.separate_client.is_some() {
-            self.inner
-                .same_server
-                .get_or_try_init(|| self.check_same_server(subscription))
-                .await?
-                .clone()?;
-        }
-        subscription.watch(key).await
+        self.checked_watch(subscription, key).await
     }
 }
 

@@ -7,6 +7,7 @@
 //! it may have missed releases in between. It ends when the backend is
 //! dropped.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,6 +40,15 @@ pub(crate) enum PubSubTarget {
 }
 
 impl PubSubTarget {
+    /// For the Sentinel's primary: changes each time a majority of the
+    /// Sentinels names another primary, and the subscription must follow.
+    fn switches(&self) -> Option<watch::Receiver<u64>> {
+        match self {
+            Self::Client(_) => None,
+            Self::Sentinel(source) => Some(source.switch_changes()),
+        }
+    }
+
     async fn pubsub(&self) -> Result<redis::aio::PubSub, BackendError> {
         match self {
             Self::Client(client) => client.get_async_pubsub().await.map_err(map_redis_error),
@@ -58,6 +68,9 @@ struct Shared {
     prefix: String,
     hub: ReleaseHub,
     state: watch::Sender<State>,
+    /// How many times the subscription was made: a watch woken meanwhile
+    /// may have been woken by a resubscription, not a release.
+    made: AtomicU64,
     timeout: Duration,
     health_check_interval: Duration,
     max_reconnect_delay: Duration,
@@ -85,6 +98,7 @@ impl Subscription {
             prefix,
             hub: ReleaseHub::new(),
             state,
+            made: AtomicU64::new(0),
             timeout: config.step_timeout,
             health_check_interval: config.health_check_interval,
             max_reconnect_delay: config.max_reconnect_delay,
@@ -94,6 +108,18 @@ impl Subscription {
             shared,
             driver: Driver::default(),
         }
+    }
+
+    /// How many times the subscription was made so far: when it changes
+    /// while a watch waits, the watch may be woken by the resubscription
+    /// (which wakes every watch) rather than by a release.
+    pub(crate) fn times_made(&self) -> u64 {
+        self.shared.made.load(Ordering::Acquire)
+    }
+
+    /// How many keys somebody watches.
+    pub(crate) fn watched_keys(&self) -> usize {
+        self.shared.hub.watched_keys()
     }
 
     /// Whether the subscription is in place now.
@@ -143,9 +169,12 @@ async fn run(shared: &Shared) {
     let mut delay = FIRST_RECONNECT_DELAY;
     let mut first = true;
     loop {
+        // Before the connection is made: a switch meanwhile is seen.
+        let switches = shared.client.switches();
         match subscribe(shared).await {
             Ok(pubsub) => {
                 delay = FIRST_RECONNECT_DELAY;
+                shared.made.fetch_add(1, Ordering::AcqRel);
                 shared.state.send_replace(State::Subscribed);
                 if !first {
                     // Releases may have been missed while not subscribed.
@@ -155,7 +184,7 @@ async fn run(shared: &Shared) {
                 }
                 first = false;
                 tracing::debug!(channel = %shared.channel, "release subscription in place");
-                let why = listen(shared, pubsub).await;
+                let why = listen(shared, pubsub, switches).await;
                 tracing::debug!(error = %why, "release subscription lost; reconnecting");
                 shared.state.send_replace(State::Down(why));
             }
@@ -181,14 +210,25 @@ async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> 
     within("subscribing", shared.timeout, connect).await
 }
 
-/// Dispatches messages until the connection drops or fails a ping, and says
-/// why it stopped.
-async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
+/// Dispatches messages until the connection drops or fails a ping, or
+/// `switches` changes (the Sentinels named another primary), and says why
+/// it stopped.
+async fn listen(
+    shared: &Shared,
+    pubsub: redis::aio::PubSub,
+    mut switches: Option<watch::Receiver<u64>>,
+) -> BackendError {
     let (mut sink, mut messages) = pubsub.split();
     let mut health = ticker(shared.health_check_interval);
     health.tick().await;
     loop {
         tokio::select! {
+            Some(()) = switched(&mut switches) => {
+                return BackendError::message(
+                    BackendErrorKind::Request,
+                    "a majority of the Sentinels named another primary",
+                );
+            }
             message = messages.next() => {
                 let Some(message) = message else {
                     return BackendError::message(
@@ -205,5 +245,13 @@ async fn listen(shared: &Shared, pubsub: redis::aio::PubSub) -> BackendError {
                 }
             }
         }
+    }
+}
+
+/// When `switches` changes; never without one (or once its sender is gone).
+async fn switched(switches: &mut Option<watch::Receiver<u64>>) -> Option<()> {
+    match switches {
+        Some(switches) => switches.changed().await.ok(),
+        None => std::future::pending().await,
     }
 }

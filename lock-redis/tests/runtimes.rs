@@ -260,3 +260,79 @@ fn cluster_notifications_reach_b_while_the_runtime_that_subscribed_is_blocked() 
     let (scratch, keys) = cluster();
     subscribed_on_a_then_blocked(&RedisClusterBackend::clone(&scratch), &keys);
 }
+
+/// \[T1\] at the Locker level, on the lead's harness: a backend made, with
+/// its lockers' first locks, on a runtime then dropped, left idle or
+/// blocked keeps extending and waking waiters on another runtime. The
+/// backends are made lazily here and connect on runtime A at their first
+/// lock.
+mod t1 {
+    use super::*;
+    use lock_conformance::runtimes::{t1_locker_outlives_runtime, RuntimeState};
+
+    /// A Redis suite's ttl with room for a loaded machine.
+    const T1_TTL: Duration = Duration::from_secs(2);
+
+    fn on_single_node(state: RuntimeState) {
+        let (scratch, _) = single_node();
+        let backend = RedisBackend::clone(&scratch);
+        t1_locker_outlives_runtime(state, T1_TTL, move || async move { backend });
+    }
+
+    fn on_sentinel(state: RuntimeState) {
+        let group = SentinelGroup::start(0).expect("a Sentinel group");
+        let backend = sentinel(&group);
+        t1_locker_outlives_runtime(state, T1_TTL, move || async move { backend });
+    }
+
+    fn on_cluster(state: RuntimeState) {
+        let (scratch, _) = cluster();
+        let backend = RedisClusterBackend::clone(&scratch);
+        t1_locker_outlives_runtime(state, T1_TTL, move || async move { backend });
+    }
+
+    #[test]
+    fn t1_single_node_runtime_dropped() {
+        on_single_node(RuntimeState::Dropped);
+    }
+
+    #[test]
+    fn t1_single_node_runtime_idle() {
+        on_single_node(RuntimeState::Idle);
+    }
+
+    #[test]
+    fn t1_single_node_runtime_blocked() {
+        on_single_node(RuntimeState::Blocked);
+    }
+
+    #[test]
+    fn t1_sentinel_runtime_dropped() {
+        on_sentinel(RuntimeState::Dropped);
+    }
+
+    #[test]
+    fn t1_sentinel_runtime_idle() {
+        on_sentinel(RuntimeState::Idle);
+    }
+
+    #[test]
+    fn t1_sentinel_runtime_blocked() {
+        on_sentinel(RuntimeState::Blocked);
+    }
+
+    #[test]
+    fn t1_cluster_runtime_dropped() {
+        on_cluster(RuntimeState::Dropped);
+    }
+
+    #[test]
+    fn t1_cluster_runtime_idle() {
+        on_cluster(RuntimeState::Idle);
+    }
+
+    #[test]
+    fn t1_cluster_runtime_blocked() {
+        on_cluster(RuntimeState::Blocked);
+    }
+}

@@ -2,6 +2,7 @@
 //! made again, or asked of the Sentinels again), and the connections the
 //! Cluster backend opens to its nodes itself.
 
+use std::future::Future;
 use std::time::Duration;
 
 use lock_core::BackendError;
@@ -56,4 +57,67 @@ pub(crate) async fn open(
             .map_err(crate::config::connection_error)
     })
     .await
+}
+
+/// One connection, made on first use (one making at a time) and again
+/// after a broken one was forgotten: the single node's shared and durable
+/// connections, and each Cluster node's lanes. Each connection made has a
+/// generation, so that a step that saw an older connection fail never
+/// forgets a newer one that another step has made since.
+#[derive(Default)]
+pub(crate) struct ConnectionSlot {
+    current: std::sync::Mutex<Option<(u64, MultiplexedConnection)>>,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+/// The generation of the last connection made, in any slot: unique in
+/// the process, so a slot made again (a Cluster node that left the map and
+/// came back) never hands out a generation an old step still holds.
+static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl ConnectionSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(u64, MultiplexedConnection)>> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The connection now, with its generation, if there is one.
+    pub(crate) fn current(&self) -> Option<(u64, MultiplexedConnection)> {
+        self.lock().clone()
+    }
+
+    /// The connection now, or one made by `make` (which the steps that
+    /// need one meanwhile wait for, rather than each making their own).
+    pub(crate) async fn get_or_make(
+        &self,
+        make: impl Future<Output = Result<MultiplexedConnection, BackendError>>,
+    ) -> Result<(u64, MultiplexedConnection), BackendError> {
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        if let Some(current) = self.current() {
+            return Ok(current);
+        }
+        let conn = make.await?;
+        let generation = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        *self.lock() = Some((generation, conn.clone()));
+        Ok((generation, conn))
+    }
+
+    /// Forgets the connection of `generation`, if it is still the current
+    /// one: a step that saw it fail.
+    pub(crate) fn forget(&self, generation: u64) {
+        let mut current = self.lock();
+        if current.as_ref().is_some_and(|(g, _)| *g == generation) {
+            *current = None;
+        }
+    }
+
+    /// Forgets whichever connection there is: its server is no longer the
+    /// one to talk to (the Sentinels named another primary).
+    pub(crate) fn clear(&self) {
+        *self.lock() = None;
+    }
 }
