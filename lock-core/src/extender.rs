@@ -291,7 +291,15 @@ fn take_due(registry: &Arc<Registry>, now: Instant) -> Option<(Vec<Batch>, Optio
             continue;
         };
         let ttl = e.held.ttl;
-        if due > now + ttl / 12 {
+        // A retry after a failure waits out its backoff: taken early, one
+        // due at the end of the validity would be sent again at once, in
+        // a loop, as long as a store fails fast.
+        let early = if e.plan.backoff.is_zero() {
+            ttl / 12
+        } else {
+            Duration::ZERO
+        };
+        if due > now + early {
             break;
         }
         tt.due.pop_first();
