@@ -428,7 +428,7 @@ fn apply(
             Ok(ExtendOutcome::Expired) => lost.push((id, LossCause::Expired)),
             Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
             Err(error) => {
-                tracing::debug!(key = %e.held.lease.key(), error = %error, "lock extension failed; retrying");
+                tracing::debug!(key = %e.held.lease.key(), error = %crate::ErrorChain(error), "lock extension failed; retrying");
                 // A last try cut short by the validity deadline says less
                 // than the store's own error before it.
                 let error = match (&plan.last_error, timed_out) {

@@ -354,7 +354,7 @@ impl Registry {
             tracing::warn!(
                 key = %held.lease.key(),
                 fencing_token = held.lease.fencing_token(),
-                cause = %cause,
+                cause = %crate::ErrorChain(&cause),
                 "lock lost"
             );
         }

@@ -165,7 +165,7 @@ impl OwedRelease {
                 break answer;
             }
             if let Err(error) = &answer {
-                tracing::debug!(key = %self.lease.key(), %error, "release failed; sending it again");
+                tracing::debug!(key = %self.lease.key(), error = %crate::ErrorChain(error), "release failed; sending it again");
             }
             if stop_when_undecidable {
                 if let Some(error) = maybe_applied.clone() {
@@ -181,7 +181,7 @@ impl OwedRelease {
                 tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
             }
             Err(error) => {
-                tracing::debug!(key = %self.lease.key(), %error, "release failed; the key expires with its ttl");
+                tracing::debug!(key = %self.lease.key(), error = %crate::ErrorChain(error), "release failed; the key expires with its ttl");
             }
         }
         self.settled = true;

@@ -108,7 +108,7 @@ impl EtcdBackend {
         };
         let failover_after = config.failover_timeout.min(config.step_timeout);
         let note = |error: etcd_client::Error| {
-            tracing::debug!(%error, "etcd did not grant the check's lease yet");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), "etcd did not grant the check's lease yet");
             *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
         };
         // The check is tried again until the connect timeout while the
@@ -315,7 +315,7 @@ impl EtcdBackend {
             })
             .await;
         if let Err(error) = revoked {
-            tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "lease revoke failed; it expires with its ttl");
         }
     }
 

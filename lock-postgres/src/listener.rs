@@ -133,7 +133,7 @@ async fn run(
         let mut listener = match connect(&pool, &channel, connect_timeout).await {
             Ok(listener) => listener,
             Err(error) => {
-                tracing::debug!(%error, "release listener could not connect; retrying");
+                tracing::debug!(error = %lock_core::ErrorChain(&error), "release listener could not connect; retrying");
                 state.send_replace(State::Down(Some(error)));
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(BACKOFF.1);
@@ -153,7 +153,12 @@ async fn run(
                 Err(error) => break Some(step_error(error)),
             }
         };
-        tracing::debug!(?error, "release listener lost its connection; reconnecting");
+        tracing::debug!(
+            error = error
+                .as_ref()
+                .map(|e| tracing::field::display(lock_core::ErrorChain(e))),
+            "release listener lost its connection; reconnecting"
+        );
         state.send_replace(State::Down(error));
         // Dropped rather than left to reconnect by itself, so that this
         // loop knows when LISTEN is active again.
