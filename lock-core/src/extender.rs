@@ -488,3 +488,15 @@ async fn send_batch(registry: Arc<Registry>, batch: Batch) {
     };
     apply(&registry, &batch, sent_at, answers, timed_out);
 }
+
+impl Timetable {
+    /// The extensions scheduled and the locks taken but not yet looked at
+    /// \[T2\]: one per held lock at most (the unscheduled list drops the
+    /// ids of locks gone once it is twice as long as the held locks).
+    pub(crate) fn counts(&self) -> [(&'static str, usize); 2] {
+        [
+            ("extender: scheduled", self.due.len()),
+            ("extender: unscheduled", self.unscheduled.len()),
+        ]
+    }
+}

@@ -3,6 +3,7 @@
 // The locker's own steps, in files of their own; they alone reach the
 // fields of `Inner`.
 mod acquire;
+mod counts;
 pub(crate) mod handle;
 pub(crate) mod shutdown;
 
