@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use lock_core::{BackendError, BackendErrorKind, Lease, LockBackend, LockContext, ReleaseOutcome};
-use tokio::time::Instant;
 
 use crate::event::{now_us, ReleaseAnswer, ReleaseTrace};
 
@@ -111,18 +110,5 @@ lock_core::forward_lock_backend!(impl<B: LockBackend> Traced<B> => backend {
         let answer = self.backend.release(lease).await;
         self.traces.answered(lease, &answer);
         answer
-    }
-
-    fn release_now(
-        &self,
-        lease: &Lease,
-        now: Instant,
-    ) -> Option<Result<ReleaseOutcome, BackendError>> {
-        // None of the servers under test answers in place; one that did is
-        // recorded as a try too.
-        let answer = self.backend.release_now(lease, now)?;
-        self.traces.sent(lease);
-        self.traces.answered(lease, &answer);
-        Some(answer)
     }
 });

@@ -59,6 +59,10 @@ struct Faults {
     hang: [AtomicBool; STEPS],
     delay: Mutex<[Duration; STEPS]>,
     late_answers: Mutex<[(u32, Duration); STEPS]>,
+    /// Calls whose answer was held back, counted once the store applied
+    /// them, and a wake-up for [`FaultInjector::applied_late`].
+    applied_late: [AtomicU32; STEPS],
+    applied_late_changed: tokio::sync::Notify,
     skip_extensions: AtomicBool,
     stolen: Mutex<HashSet<String>>,
     failing_extensions: Mutex<HashSet<String>>,
@@ -130,6 +134,21 @@ impl<B: LockBackend> FaultInjector<B> {
             .late_answers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)[step.index()] = (n, delay);
+    }
+
+    /// Resolves once `n` calls of `step` whose answers
+    /// [`delay_answers`](Self::delay_answers) holds back have been applied
+    /// by the store: their answers are on their way back now.
+    pub async fn applied_late(&self, step: Step, n: u32) {
+        loop {
+            let changed = self.faults.applied_late_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.faults.applied_late[step.index()].load(Ordering::SeqCst) >= n {
+                return;
+            }
+            changed.await;
+        }
     }
 
     /// Delays every step by `delay`.
@@ -212,7 +231,7 @@ impl<B: LockBackend> FaultInjector<B> {
 
 impl<B> FaultInjector<B> {
     fn take_late_answer(&self, step: Step) -> Option<Duration> {
-        {
+        let delay = {
             let mut late = self
                 .faults
                 .late_answers
@@ -223,8 +242,11 @@ impl<B> FaultInjector<B> {
                 return None;
             }
             *n -= 1;
-            Some(*delay)
-        }
+            *delay
+        };
+        self.faults.applied_late[step.index()].fetch_add(1, Ordering::SeqCst);
+        self.faults.applied_late_changed.notify_waiters();
+        Some(delay)
     }
 
     fn lose_answer<T>(

@@ -4,6 +4,7 @@ pub mod cases;
 mod counting;
 mod faults;
 mod min_ttl;
+pub mod runtimes;
 mod support;
 
 use std::future::Future;
@@ -85,6 +86,7 @@ macro_rules! __with_cases {
             m2_mutex_and_with_lock_exclude_each_other,
             s1_shutdown_waits_then_releases,
             s1_shutdown_returns_after_owed_releases,
+            s1_shutdown_frees_what_attempts_in_flight_took,
             s2_after_shutdown_calls_never_settle,
             s3_shutdown_returns_by_deadline_when_backend_down,
             step_try_acquire_busy_and_fencing,
@@ -92,6 +94,7 @@ macro_rules! __with_cases {
             step_extend_many_answers_in_order,
             step_release_is_idempotent,
             step_release_notifications_as_declared,
+            step_a_wrapper_sees_every_attempt_and_release,
             rel_exclusion_holds_under_faults,
             d1_list_inspect_force_release_agree_with_the_lock,
             d2_force_release_of_a_free_key_changes_nothing,

@@ -601,7 +601,6 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 ///
 /// use lock_core::{BackendError, Capabilities, Lease, LockBackend, Locker, ReleaseOutcome};
 /// use lock_memory::MemoryBackend;
-/// use tokio::time::Instant;
 ///
 /// /// Asks the store for leases of a second at least.
 /// #[derive(Debug)]
@@ -624,19 +623,11 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 /// }
 ///
 /// lock_core::forward_lock_backend!(impl<B: LockBackend> CountReleases<B> => backend {
+///     // The memory backend's fast path (`release_now`) is not forwarded
+///     // past this step: the count sees every release.
 ///     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
 ///         self.releases.fetch_add(1, Ordering::Relaxed);
 ///         self.backend.release(lease).await
-///     }
-///
-///     // The driver tries a fast path before its step, and a forwarded
-///     // one would skip the count: this wrapper has none.
-///     fn release_now(
-///         &self,
-///         _lease: &Lease,
-///         _now: Instant,
-///     ) -> Option<Result<ReleaseOutcome, BackendError>> {
-///         None
 ///     }
 /// });
 ///
@@ -656,10 +647,12 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 /// # }
 /// ```
 ///
-/// A step written out replaces the forwarded one alone: a wrapper that
-/// changes `try_acquire` or `release` also writes the matching fast path
-/// (`try_acquire_now`, `release_now`), or the driver may take the wrapped
-/// backend's and never call the step.
+/// A wrapper that writes out a step is never bypassed: a defaulted step
+/// whose default is built from it is not forwarded, so its default runs
+/// over the wrapper's step. Today these are the fast paths:
+/// `try_acquire_now` is not forwarded when `try_acquire` is written out,
+/// nor `release_now` when `release` is (write a fast path out yourself to
+/// keep one). Every step added to the trait later follows the same rule.
 #[macro_export]
 macro_rules! forward_lock_backend {
     // `impl<…>`: the generics are gathered up to their closing `>`, counting
@@ -767,6 +760,16 @@ macro_rules! forward_lock_backend {
         $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
     };
     (@written release_now [release_now $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    // A defaulted step whose default is built from a step written out is
+    // never forwarded: the trait's default then runs over the wrapper's
+    // step, so the wrapper sees every call. The fast paths default to
+    // `None`, which makes the driver call the step itself.
+    (@written try_acquire_now [try_acquire $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written release_now [release $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
         $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
     };
     (@written $step:ident [$other:ident $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {

@@ -286,6 +286,22 @@ pub struct LockerOptions {
     ///
     /// Default: false.
     pub metrics_key_label: bool,
+    /// Whether the locker runs its background work (the extender, releases
+    /// sent in the background, attempts and clean-ups finished after their
+    /// caller left) on the runtime of the call that took the latest lock
+    /// instead of the process's background runtime
+    /// ([`Background`](crate::Background)) \[T1\].
+    ///
+    /// Turn it on only in tests on tokio's paused clock
+    /// (`#[tokio::test(start_paused = true)]`), where the extender must
+    /// sleep on the test's clock. Anywhere else it is a trap: while that
+    /// runtime is idle (a current-thread runtime between two `block_on`
+    /// calls) or blocked, no lock is extended and every lock is lost, and
+    /// once it is dropped the next lock taken restarts the work on its
+    /// caller's runtime.
+    ///
+    /// Default: false.
+    pub caller_runtime: bool,
 }
 
 impl Default for LockerOptions {
@@ -294,6 +310,7 @@ impl Default for LockerOptions {
             node_id: None,
             release_timeout: Duration::from_secs(1),
             metrics_key_label: false,
+            caller_runtime: false,
         }
     }
 }
@@ -317,6 +334,14 @@ impl LockerOptions {
     #[must_use]
     pub fn metrics_key_label(mut self, yes: bool) -> Self {
         self.metrics_key_label = yes;
+        self
+    }
+
+    /// Sets [`LockerOptions::caller_runtime`]: for tests on tokio's paused
+    /// clock only. Defaults to false.
+    #[must_use]
+    pub fn caller_runtime(mut self, yes: bool) -> Self {
+        self.caller_runtime = yes;
         self
     }
 

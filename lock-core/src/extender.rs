@@ -10,9 +10,13 @@
 //! up the others. Holding 10,000 locks costs one timer and, per ttl / 3,
 //! `10_000 / max_extend_batch` backend calls.
 //!
-//! The task runs on the runtime of the call that started it. If that
-//! runtime goes away, the task's end is noticed and the next lock taken
-//! starts a new one.
+//! The task runs on the process's background runtime
+//! ([`Background`](crate::Background)), so no caller's runtime being idle,
+//! blocked or dropped stops it \[T1\]. With
+//! [`LockerOptions::caller_runtime`](crate::LockerOptions::caller_runtime)
+//! it runs on the runtime of the call that started it; if that runtime
+//! goes away, the task's end is noticed and the next lock taken starts a
+//! new one.
 //!
 //! [`Capabilities::max_extend_batch`]: crate::Capabilities::max_extend_batch
 
@@ -193,10 +197,10 @@ impl Timetable {
     }
 }
 
-/// Starts the extender of `registry` on the current runtime.
+/// Starts the extender of `registry` where its background work runs.
 pub(crate) fn start(registry: &Arc<Registry>) {
     let running = Running(Arc::downgrade(registry));
-    tokio::spawn(run(running, Arc::clone(&registry.wake)));
+    registry.spawn(run(running, Arc::clone(&registry.wake)));
 }
 
 /// Marks the extender stopped when its task ends or is dropped with its

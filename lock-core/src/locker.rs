@@ -26,7 +26,7 @@ use crate::error::{LockError, LossCause};
 use crate::gate::Gates;
 use crate::held::HeldLock;
 use crate::metrics::Meter;
-use crate::registry::{self, Registry};
+use crate::registry::{self, Registry, Runs};
 use crate::task::never;
 
 static NEXT_LOCKER_ID: AtomicU64 = AtomicU64::new(1);
@@ -97,7 +97,11 @@ impl Locker {
         Ok(Self {
             inner: Arc::new(Inner {
                 id: NEXT_LOCKER_ID.fetch_add(1, Ordering::Relaxed),
-                registry: Arc::new(Registry::new(Arc::clone(&backend), meter)),
+                registry: Arc::new(Registry::new(
+                    Arc::clone(&backend),
+                    meter,
+                    Runs::new(options.caller_runtime),
+                )),
                 backend,
                 caps,
                 node_id: node_id.into(),

@@ -16,6 +16,7 @@
 //! release \[S1\].
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -24,6 +25,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::backend::{DynLockBackend, Lease, ReleaseOutcome};
+use crate::background::Background;
 use crate::error::{BackendError, LossCause};
 use crate::extender::{self, Nudge, Plan, Timetable};
 use crate::held::{HeldLock, Holder};
@@ -201,7 +203,8 @@ pub(crate) struct State {
     failed_while_closing: usize,
     /// Shutdown began: no new locks.
     no_new: bool,
-    /// The runtime that last took a lock, for releases started outside one.
+    /// With [`Runs::Caller`]: the runtime that last took a lock, for
+    /// releases started outside one.
     runtime: Option<Handle>,
 }
 
@@ -235,10 +238,35 @@ pub(crate) struct Registry {
     pub(crate) max_batch: usize,
     pub(crate) cleanup: Arc<Cleanup>,
     pub(crate) meter: Meter,
+    runs: Runs,
+    /// Acquisition attempts whose answer is not yet settled: shutdown
+    /// waits for them \[S1\]. An atomic, not a field of `state`: every
+    /// attempt counts itself, and the state's lock is not taken for it.
+    attempts: AtomicUsize,
+}
+
+/// Where a locker's background work runs \[T1\].
+pub(crate) enum Runs {
+    /// On the process's background runtime, whatever runtime the callers
+    /// are on.
+    Background(Background),
+    /// On the runtime of the call that took the latest lock
+    /// ([`LockerOptions::caller_runtime`](crate::LockerOptions::caller_runtime)).
+    Caller,
+}
+
+impl Runs {
+    pub(crate) fn new(caller_runtime: bool) -> Self {
+        if caller_runtime {
+            Self::Caller
+        } else {
+            Self::Background(Background::default())
+        }
+    }
 }
 
 impl Registry {
-    pub(crate) fn new(backend: Arc<DynLockBackend>, meter: Meter) -> Self {
+    pub(crate) fn new(backend: Arc<DynLockBackend>, meter: Meter, runs: Runs) -> Self {
         let max_batch = backend.capabilities().max_extend_batch.max(1);
         Self {
             state: Mutex::default(),
@@ -248,6 +276,8 @@ impl Registry {
             backend,
             max_batch,
             meter,
+            runs,
+            attempts: AtomicUsize::new(0),
         }
     }
 
@@ -262,9 +292,9 @@ impl Registry {
         if s.no_new {
             return None;
         }
-        // The runtime of the extender, or of the call if none runs: a
-        // runtime that ended took its extender with it.
-        if s.runtime.is_none() || !s.timetable.is_running() {
+        // On the caller's runtime: the runtime of the extender, or of the
+        // call if none runs: a runtime that ended took its extender with it.
+        if matches!(self.runs, Runs::Caller) && (s.runtime.is_none() || !s.timetable.is_running()) {
             if let Ok(runtime) = Handle::try_current() {
                 s.runtime = Some(runtime);
             }
@@ -413,6 +443,27 @@ impl Registry {
         self.changed.notify_waiters_after_locked_change();
     }
 
+    /// Counts an acquisition attempt in flight until the guard is dropped,
+    /// which its owner does once the answer is settled: the lock entered
+    /// the registry, its release is owed, or its key's clean-up is
+    /// pending \[S1\].
+    pub(crate) fn attempt_started(self: &Arc<Self>) -> AttemptInFlight {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        AttemptInFlight(Arc::clone(self))
+    }
+
+    /// Resolves once no acquisition attempt is in flight.
+    pub(crate) async fn attempts_done(&self) {
+        self.changed
+            .wait_until(|| (self.attempts_in_flight() == 0).then_some(()))
+            .await;
+    }
+
+    /// How many acquisition attempts are in flight now.
+    pub(crate) fn attempts_in_flight(&self) -> usize {
+        self.attempts.load(Ordering::SeqCst)
+    }
+
     /// How many locks are held, by callbacks and handles.
     pub(crate) fn len(&self) -> usize {
         self.lock().entries.len()
@@ -447,10 +498,24 @@ impl Registry {
         self.lock().no_new = true;
     }
 
-    /// Runs `task` in the background: on the current runtime, else on the
+    /// The background runtime's handle, unless the background work runs
+    /// on the caller's runtime.
+    pub(crate) fn background_handle(&self) -> Option<&Handle> {
+        match &self.runs {
+            Runs::Background(background) => Some(background.handle()),
+            Runs::Caller => None,
+        }
+    }
+
+    /// Runs `task` in the background \[T1\]: on the process's background
+    /// runtime; with [`Runs::Caller`], on the current runtime, else on the
     /// one that last took a lock (a handle dropped outside any runtime).
     /// Returns false when there is no runtime to run it on.
     pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) -> bool {
+        if let Runs::Background(background) = &self.runs {
+            background.spawn(task);
+            return true;
+        }
         let runtime = Handle::try_current()
             .ok()
             .or_else(|| self.lock().runtime.clone());
@@ -461,6 +526,17 @@ impl Registry {
             }
             None => false,
         }
+    }
+}
+
+/// An acquisition attempt counted in flight while this lives; see
+/// [`Registry::attempt_started`].
+pub(crate) struct AttemptInFlight(Arc<Registry>);
+
+impl Drop for AttemptInFlight {
+    fn drop(&mut self) {
+        self.0.attempts.fetch_sub(1, Ordering::SeqCst);
+        self.0.changed.notify_waiters();
     }
 }
 
@@ -491,7 +567,7 @@ impl Registry {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::{
         AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Hold, LockBackend, OwnerToken,
@@ -545,6 +621,17 @@ mod tests {
         }
     }
 
+    /// A registry on a backend that answers every step at once, its
+    /// background work on the caller's runtime.
+    pub(crate) fn registry_for_tests() -> Arc<Registry> {
+        let backend: Arc<DynLockBackend> = Arc::new(Counting::default());
+        Arc::new(Registry::new(
+            backend,
+            Meter::new("test", false),
+            Runs::Caller,
+        ))
+    }
+
     fn handle_lock(registry: &Arc<Registry>, key: &str) -> (u64, Arc<HeldLock>) {
         let lease = Lease::new(key, OwnerToken::new("n"), 1);
         let held = Arc::new(HeldLock::new(
@@ -566,7 +653,11 @@ mod tests {
     async fn every_ending_owes_and_marks_what_it_says_once() {
         let backend = Arc::new(Counting::default());
         let dyn_backend: Arc<DynLockBackend> = backend.clone();
-        let registry = Arc::new(Registry::new(dyn_backend, Meter::new("test", false)));
+        let registry = Arc::new(Registry::new(
+            dyn_backend,
+            Meter::new("test", false),
+            Runs::Caller,
+        ));
         let releases = || backend.releases.load(Ordering::Relaxed);
 
         let (released, r) = handle_lock(&registry, "released");

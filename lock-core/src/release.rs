@@ -285,22 +285,27 @@ impl Cleanup {
         }
     }
 
-    /// One last release of every pending token, for shutdown; then nothing
-    /// is pending any more.
-    pub(crate) async fn final_pass(&self) {
+    /// One last release of every pending token, for shutdown, each given
+    /// up at `deadline`; then nothing is pending any more. Returns how
+    /// many failed or were given up.
+    pub(crate) async fn final_pass(&self, deadline: Instant) -> usize {
         let pending = std::mem::take(&mut *self.lock());
         let releases = pending.into_iter().flat_map(|(key, tokens)| {
             tokens.into_iter().map(move |(owner, _)| {
                 let lease = Lease::new(Arc::clone(&key), owner, 0);
                 let backend = Arc::clone(&self.backend);
                 async move {
-                    if backend.release(&lease).await.is_err() {
+                    let answer = tokio::time::timeout_at(deadline, backend.release(&lease)).await;
+                    let ok = matches!(answer, Ok(Ok(_)));
+                    if !ok {
                         self.meter.backend_error(lease.key_arc(), Step::Release);
                     }
+                    ok
                 }
             })
         });
-        futures_util::future::join_all(releases).await;
+        let answers = futures_util::future::join_all(releases).await;
+        answers.into_iter().filter(|ok| !ok).count()
     }
 }
 

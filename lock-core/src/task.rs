@@ -4,23 +4,35 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use tokio::runtime::Handle;
 use tokio::sync::Notify;
+
+use crate::registry::Registry;
 
 /// Runs `step` in place, and to its end even if this future is dropped.
 ///
 /// The step is polled by the caller's own task, so the common path costs no
-/// task hop. If the future is dropped while the step is still pending (its
-/// request may already be on the wire), the step moves into a task of its
-/// own, and its answer goes to `orphan` there.
-pub(crate) fn finish_even_if_dropped<S, O>(step: S, orphan: O) -> FinishEvenIfDropped<S, O>
+/// task hop, but inside the background runtime's context: the timers and
+/// connections it makes belong there, not to the caller's runtime. If the
+/// future is dropped while the step is still pending (its request may
+/// already be on the wire), the step moves into a task of its own, on
+/// `registry`'s background runtime \[T1\], and its answer goes to `orphan`
+/// there; it goes on after the caller's runtime has ended.
+pub(crate) fn finish_even_if_dropped<S, O>(
+    registry: &Arc<Registry>,
+    step: S,
+    orphan: O,
+) -> FinishEvenIfDropped<S, O>
 where
     S: Future + Send + 'static,
     S::Output: Send + 'static,
     O: FnOnce(S::Output) + Send + Unpin + 'static,
 {
     FinishEvenIfDropped {
+        registry: Arc::clone(registry),
         step: Some(Box::pin(step)),
         orphan: Some(orphan),
     }
@@ -33,6 +45,7 @@ where
     S::Output: Send + 'static,
     O: FnOnce(S::Output) + Send + Unpin + 'static,
 {
+    registry: Arc<Registry>,
     step: Option<Pin<Box<S>>>,
     orphan: Option<O>,
 }
@@ -46,11 +59,14 @@ where
     type Output = S::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<S::Output> {
-        let Some(step) = self.step.as_mut() else {
+        let this = &mut *self;
+        let Some(step) = this.step.as_mut() else {
             panic!("FinishEvenIfDropped polled after it finished");
         };
+        let _inside = this.registry.background_handle().map(Handle::enter);
         let answer = std::task::ready!(step.as_mut().poll(cx));
-        self.step = None;
+        drop(_inside);
+        this.step = None;
         Poll::Ready(answer)
     }
 }
@@ -65,9 +81,7 @@ where
         let (Some(step), Some(orphan)) = (self.step.take(), self.orphan.take()) else {
             return;
         };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { orphan(step.await) });
-        }
+        self.registry.spawn(async move { orphan(step.await) });
     }
 }
 
@@ -157,14 +171,20 @@ mod tests {
 
     #[tokio::test]
     async fn a_ready_step_answers_in_place() {
-        assert_eq!(finish_even_if_dropped(async { 7 }, |_| {}).await, 7);
+        let registry = crate::registry::tests::registry_for_tests();
+        assert_eq!(
+            finish_even_if_dropped(&registry, async { 7 }, |_| {}).await,
+            7
+        );
     }
 
     #[tokio::test]
     async fn a_dropped_caller_hands_the_answer_to_orphan() {
         let (done_tx, done_rx) = oneshot::channel();
         let (go_tx, go_rx) = oneshot::channel::<()>();
+        let registry = crate::registry::tests::registry_for_tests();
         let caller = finish_even_if_dropped(
+            &registry,
             async move {
                 let _ = go_rx.await;
                 5

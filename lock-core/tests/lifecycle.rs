@@ -156,12 +156,21 @@ fn failing(kind: BackendErrorKind, hang: bool) -> Arc<Failing> {
     })
 }
 
+/// A locker whose background work runs on the test's paused clock.
+fn on_the_test_clock(backend: impl lock_core::LockBackend) -> Locker {
+    Locker::with_options(
+        backend,
+        lock_core::LockerOptions::default().caller_runtime(true),
+    )
+    .unwrap()
+}
+
 // On the paused clock: the sleep below ends only once every task is idle,
 // so each clean-up task has sent its first (hanging) release by then.
 #[tokio::test(start_paused = true)]
 async fn failed_attempts_are_cleaned_up_by_one_task_per_key() {
     let backend = failing(BackendErrorKind::Timeout, true);
-    let locker = Locker::new(Arc::clone(&backend));
+    let locker = on_the_test_clock(Arc::clone(&backend));
     let cfg = LockConfig::default()
         .ttl(Duration::from_secs(30))
         .retry_attempts(20)
@@ -216,7 +225,7 @@ async fn failed_attempts_are_released_once_the_store_answers() {
 #[tokio::test(start_paused = true)]
 async fn a_reentrant_call_races_the_loss_of_the_outer_lock() {
     let backend = lock_conformance::FaultInjector::new(MemoryBackend::new());
-    let locker = Locker::new(backend.clone());
+    let locker = on_the_test_clock(backend.clone());
     let cfg = LockConfig::default().ttl(Duration::from_millis(300));
     let (inner_tx, inner_rx) = tokio::sync::oneshot::channel();
     let (l, b) = (locker.clone(), backend.clone());

@@ -84,7 +84,8 @@ fn seconds(all: &[Series], name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
 /// A locker on a memory backend of its own, behind a fault injector.
 fn node(options: LockerOptions) -> (FaultInjector<MemoryBackend>, Locker) {
     let backend = FaultInjector::new(MemoryBackend::new());
-    let locker = Locker::with_options(backend.clone(), options).unwrap();
+    // The background work on the test's paused clock and its recorder.
+    let locker = Locker::with_options(backend.clone(), options.caller_runtime(true)).unwrap();
     (backend, locker)
 }
 
@@ -144,7 +145,11 @@ fn every_metric_is_recorded_with_its_labels() {
         let mut holder = locker.handle("busy", Duration::from_secs(60)).unwrap();
         assert!(holder.acquire().await.unwrap());
         faults.fail_next(Step::WatchRelease, 1);
-        let other = Locker::new(faults.clone());
+        let other = Locker::with_options(
+            faults.clone(),
+            LockerOptions::default().caller_runtime(true),
+        )
+        .unwrap();
         let busy = other
             .with_lock_config("busy", &once_more, |_| async {})
             .await;
@@ -161,7 +166,8 @@ fn every_metric_is_recorded_with_its_labels() {
             .wait_forever()
             .retry_delay(Duration::from_secs(10));
         let waiter = tokio::spawn(async move {
-            let other = Locker::new(faults);
+            let other = Locker::with_options(faults, LockerOptions::default().caller_runtime(true))
+                .unwrap();
             other
                 .with_lock_config("awaited", &patient, |_| async {})
                 .await

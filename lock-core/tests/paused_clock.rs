@@ -8,7 +8,9 @@ use lock_core::{LockConfig, LockError, Locker, LockerOptions};
 use lock_memory::MemoryBackend;
 
 fn node(backend: impl lock_core::LockBackend, name: &str) -> Locker {
-    Locker::with_options(backend, LockerOptions::default().node_id(name)).unwrap()
+    // The background work on the test's paused clock.
+    let options = LockerOptions::default().node_id(name).caller_runtime(true);
+    Locker::with_options(backend, options).unwrap()
 }
 
 #[tokio::test(start_paused = true)]

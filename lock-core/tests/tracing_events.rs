@@ -34,10 +34,20 @@ async fn events_name_the_key_and_token_but_no_secret() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let backend = FaultInjector::new(MemoryBackend::new());
-    let a =
-        Locker::with_options(backend.clone(), LockerOptions::default().node_id("node-a")).unwrap();
-    let b =
-        Locker::with_options(backend.clone(), LockerOptions::default().node_id("node-b")).unwrap();
+    let a = Locker::with_options(
+        backend.clone(),
+        LockerOptions::default()
+            .node_id("node-a")
+            .caller_runtime(true),
+    )
+    .unwrap();
+    let b = Locker::with_options(
+        backend.clone(),
+        LockerOptions::default()
+            .node_id("node-b")
+            .caller_runtime(true),
+    )
+    .unwrap();
     let cfg = LockConfig::default().ttl(Duration::from_secs(3));
     let (inside_tx, inside_rx) = tokio::sync::oneshot::channel();
     let holder = {

@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget, Txn};
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, SortOrder, SortTarget};
 use lock_core::{async_trait, AdminError, BackendError, LockAdmin, LockInfo, OwnerToken};
 
-use crate::backend::{release_ops, EtcdBackend};
+use crate::backend::EtcdBackend;
 use crate::endpoints::Again;
 use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECORDS};
 
@@ -20,7 +20,9 @@ use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECO
 ///   create revision as the fencing token; for a free name, the token of
 ///   the last lock a withlock release or force release freed (a record
 ///   beside the layout; a lock that expired, or that another client
-///   released, leaves none).
+///   released, leaves none, and so does a release by a user without
+///   rights on the records \[D3\]: a user who may not read them sees no
+///   token for a free name).
 /// - `force_release`: deletes the holder's key (if it has not changed
 ///   since it was read) and revokes its lease, only when its value is a
 ///   withlock owner token \[D2\]: a holder of another client is refused.
@@ -86,7 +88,15 @@ impl LockAdmin for EtcdBackend {
                         .call(Again::Yes, |mut client| async move {
                             client.get(record_key(key), None).await
                         })
-                        .await?;
+                        .await;
+                    let record = match record {
+                        // A user with rights on the lock names alone
+                        // \[D3\] may not read the records: no token.
+                        Err(error) if error.kind() == lock_core::BackendErrorKind::Setup => {
+                            return Ok(LockInfo::free(key));
+                        }
+                        record => record?,
+                    };
                     let token = record
                         .kvs()
                         .first()
@@ -144,24 +154,18 @@ impl EtcdBackend {
                         .to_owned(),
                 });
             }
-            let txn = Txn::new()
-                .when(vec![Compare::mod_revision(
-                    kv.key(),
-                    CompareOp::Equal,
-                    kv.mod_revision(),
-                )])
-                .and_then(release_ops(
+            let compares = vec![Compare::mod_revision(
+                kv.key(),
+                CompareOp::Equal,
+                kv.mod_revision(),
+            )];
+            let answer = self
+                .delete_contender(
                     key,
+                    compares,
                     String::from_utf8_lossy(kv.key()).into_owned(),
                     u64::try_from(kv.create_revision()).unwrap_or(0),
-                ));
-            // Sent twice, a delete that went through the first time would
-            // fail its comparison the second.
-            let answer = self
-                .call(Again::No, |mut client| {
-                    let txn = txn.clone();
-                    async move { client.txn(txn).await }
-                })
+                )
                 .await?;
             if answer.succeeded() {
                 return Ok(Some((info, kv.lease())));

@@ -4,16 +4,18 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
-    TxnOp, TxnOpResponse,
+    TxnOp, TxnOpResponse, TxnResponse,
 };
 use lock_core::{
-    async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
-    Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    async_trait, AcquireOutcome, BackendError, BackendErrorKind, Background, Capabilities,
+    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
+    ReleaseWatch, MAX_KEY_LEN,
 };
 
 use crate::config::EtcdConfig;
@@ -33,7 +35,11 @@ pub const MAX_EXTEND_BATCH: usize = 128;
 ///
 /// Cheap to clone; clones share the endpoint in use (see
 /// [`EtcdConfig::failover_timeout`]), the keep-alive stream and the
-/// watch stream, whose tasks stop when the last clone is dropped.
+/// watch stream, whose tasks stop when the last clone is dropped. The
+/// connections and those tasks live on withlock's background runtime
+/// ([`lock_core::Background`]), not on the runtime the backend was made
+/// on \[T1\]: a backend made on one runtime works on another after the
+/// first has ended.
 #[derive(Clone)]
 pub struct EtcdBackend {
     inner: Arc<Inner>,
@@ -45,12 +51,17 @@ struct Inner {
     config: EtcdConfig,
     /// The shortest lease granted, in whole seconds.
     min_ttl_secs: i64,
-    /// The lease of each acquisition this backend made and did not release
-    /// yet, by name and owner token, from its grant on: a step finds its
-    /// key by it, and a cleanup of an attempt whose answer was lost finds
-    /// it too. A miss (another process's lease, a forgotten entry) is
-    /// looked up by value.
+    /// The lease of each lock this backend acquired, by name and owner
+    /// token, while it may still hold it: a step finds its key by it.
+    /// Forgotten at every end of the lock (released, moved to its minimum
+    /// hold, found expired or taken, a release or hold that failed) \[T2\];
+    /// a miss (another process's lease, a forgotten entry) is looked up
+    /// by value.
     leases: Mutex<HashMap<(String, String), i64>>,
+    /// Whether releases still write the fencing token's record for the
+    /// admin: off once etcd refused it (a user with rights on the lock
+    /// names alone \[D3\]).
+    records: AtomicBool,
     keep_alives: KeepAlives,
     hub: ReleaseHub,
     watches: Option<Watches>,
@@ -95,6 +106,7 @@ impl EtcdBackend {
         if let Some(tls) = &config.tls {
             options = options.with_tls(tls.clone());
         }
+        let background = Background::default();
         let last = Mutex::new(None);
         let connect_error = |error: etcd_client::Error| {
             if is_refusal(&error) {
@@ -117,8 +129,13 @@ impl EtcdBackend {
         // endpoint ends it at once.
         let check = async {
             let endpoints = loop {
-                match Endpoints::connect(config.endpoints.clone(), options.clone(), failover_after)
-                    .await
+                match Endpoints::connect(
+                    config.endpoints.clone(),
+                    options.clone(),
+                    failover_after,
+                    background.clone(),
+                )
+                .await
                 {
                     Ok(endpoints) => break endpoints,
                     // An endpoint that is no URI stays one.
@@ -185,6 +202,7 @@ impl EtcdBackend {
                 config,
                 min_ttl_secs,
                 leases: Mutex::new(HashMap::new()),
+                records: AtomicBool::new(true),
                 hub,
                 watches,
             }),
@@ -309,14 +327,149 @@ impl EtcdBackend {
     /// already gone is fine, and any other failure only leaves it to
     /// expire with its ttl.
     async fn revoke_quietly(&self, lease: i64) {
-        let revoked = self
-            .call(Again::Yes, |mut client| async move {
-                client.lease_revoke(lease).await
-            })
-            .await;
-        if let Err(error) = revoked {
+        if let Err(error) = revoke(&self.inner.endpoints, lease).await {
             tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "lease revoke failed; it expires with its ttl");
         }
+    }
+
+    /// Deletes the contender key `contender` of `name` in one transaction
+    /// under `compares`, with the fencing token's record for the admin's
+    /// view of the free name when the token is known (a clean-up after a
+    /// lost answer has none). The record is a courtesy: a user whose
+    /// rights cover the lock names alone \[D3\] is refused it, and the
+    /// delete is then sent again without it (a refused transaction
+    /// changed nothing); from then on this backend writes no record, and
+    /// says so once in the log.
+    pub(crate) async fn delete_contender(
+        &self,
+        name: &str,
+        compares: Vec<Compare>,
+        contender: String,
+        fencing_token: u64,
+    ) -> Result<TxnResponse, BackendError> {
+        let send = |txn: Txn| {
+            // Sent twice, a delete that went through the first time would
+            // find its comparisons failing the second.
+            self.call(Again::No, move |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+        };
+        let delete = Txn::new()
+            .when(compares.clone())
+            .and_then(vec![TxnOp::delete(contender.clone(), None)]);
+        if fencing_token == 0 || !self.inner.records.load(Ordering::Relaxed) {
+            return send(delete).await;
+        }
+        let recorded = Txn::new().when(compares).and_then(vec![
+            TxnOp::delete(contender, None),
+            TxnOp::put(record_key(name), fencing_token.to_string(), None),
+        ]);
+        match send(recorded).await {
+            Err(refused) if refused.kind() == BackendErrorKind::Setup => {
+                let answer = send(delete).await?;
+                // The names' rights were enough: the record's were not.
+                if self.inner.records.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        error = %refused,
+                        record = %record_key(name).escape_debug(),
+                        "etcd refused the fencing token's record of a release; releases go on \
+                         without it, and the admin shows no token for a free name (grant \
+                         readwrite on the prefix \"\\0withlock/fencing/\" to keep it)"
+                    );
+                }
+                Ok(answer)
+            }
+            answer => answer,
+        }
+    }
+
+    /// The sizes of the backend's per-key structures, by name, for tests
+    /// of \[T2\]. Each is back to 0 once no lock is held, no attempt or
+    /// step is under way and nobody waits; `watches*` within the sweep
+    /// period (2 s) of the last wait.
+    ///
+    /// - `leases`: the lease of each lock held (or whose step is under
+    ///   way);
+    /// - `keep_alives_waiting`: leases whose keep-alive awaits its answer;
+    /// - `watches`: names with a watch on the watch stream, made or being
+    ///   made; `watch_ids`: those etcd confirmed; `watches_creating`:
+    ///   those asked for and not confirmed yet; `watches_to_rebuild`:
+    ///   names to watch again after the stream broke;
+    /// - `release_hub_keys`: names somebody waits on.
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        let mut counts = vec![
+            ("leases", self.leases().len()),
+            ("keep_alives_waiting", self.inner.keep_alives.waiting()),
+            ("release_hub_keys", self.inner.hub.watched_keys()),
+        ];
+        if let Some(watches) = &self.inner.watches {
+            let w = watches.counts();
+            counts.extend([
+                ("watches", w.names.load(Ordering::Relaxed)),
+                ("watch_ids", w.ids.load(Ordering::Relaxed)),
+                ("watches_creating", w.creating.load(Ordering::Relaxed)),
+                ("watches_to_rebuild", w.rebuild.load(Ordering::Relaxed)),
+            ]);
+        }
+        counts
+    }
+
+    /// `TryLock`'s transaction for the contender key on `lease`: puts it
+    /// and reads the name's contenders; gives the fencing token when it
+    /// is the lowest (the lock is taken), else `None` (busy).
+    async fn contend(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        lease: i64,
+    ) -> Result<Option<u64>, BackendError> {
+        let (start, end) = contender_range(key);
+        let contenders = GetOptions::new()
+            .with_range(end)
+            .with_keys_only()
+            .with_sort(SortTarget::Create, SortOrder::Ascend);
+        let txn = Txn::new().and_then(vec![
+            TxnOp::put(
+                contender_key(key, lease),
+                owner.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+            TxnOp::get(start, Some(contenders)),
+        ]);
+        // Sent again after a failover, the put finds its own key and
+        // leaves its create revision as it was: the read compares
+        // create revisions, so the second answer is the first's.
+        let answer = self
+            .call(Again::Yes, |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?;
+        let mine = contender_key(key, lease);
+        let (lowest, own) = match answer.op_responses().get(1) {
+            Some(TxnOpResponse::Get(read)) => {
+                let mut contenders = read.kvs().iter().filter(|kv| is_contender(key, kv.key()));
+                let lowest = contenders.next().map(|kv| kv.create_revision());
+                let own = read
+                    .kvs()
+                    .iter()
+                    .find(|kv| kv.key() == mine.as_bytes())
+                    .map(|kv| kv.create_revision());
+                (lowest, own)
+            }
+            _ => (None, None),
+        };
+        let (Some(lowest), Some(own)) = (lowest, own) else {
+            return Err(protocol("the acquisition's read did not find its own key"));
+        };
+        if lowest != own {
+            return Ok(None);
+        }
+        u64::try_from(own)
+            .map(Some)
+            .map_err(|_| protocol("a negative create revision"))
     }
 
     async fn extend_batch(
@@ -399,25 +552,97 @@ impl EtcdBackend {
                 (None, _, _) if contenders().next().is_some() => Ok(ExtendOutcome::Taken),
                 (None, _, _) => Ok(ExtendOutcome::Expired),
             };
+            if let Ok(ExtendOutcome::Expired | ExtendOutcome::Taken) = outcome {
+                // Lost: no step of this owner's on the name will need it.
+                self.forget(name, request.lease.owner());
+            }
             outcomes.push(outcome);
         }
         Ok(outcomes)
     }
 }
 
-/// The operations of a release: the contender key's delete, and the
-/// fencing token's record for the admin (when the token is known: a
-/// cleanup after a lost answer has none).
-pub(crate) fn release_ops(name: &str, contender: String, fencing_token: u64) -> Vec<TxnOp> {
-    let mut ops = vec![TxnOp::delete(contender, None)];
-    if fencing_token > 0 {
-        ops.push(TxnOp::put(
-            record_key(name),
-            fencing_token.to_string(),
-            None,
-        ));
+/// Forgets the lease of `owner`'s lock on `name` when a step that ends the
+/// lock (release, minimum hold) ends, whatever its answer, or is dropped
+/// \[T2\].
+struct ForgetOnDrop<'a> {
+    backend: &'a EtcdBackend,
+    name: &'a str,
+    owner: &'a OwnerToken,
+}
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.backend.forget(self.name, self.owner);
     }
-    ops
+}
+
+/// Revokes `lease` on the endpoint in use; a lease already gone (revoked
+/// by a first of two sends, expired) is fine.
+async fn revoke(endpoints: &Endpoints, lease: i64) -> Result<(), BackendError> {
+    endpoints
+        .call(Again::Yes, |mut client| async move {
+            match client.lease_revoke(lease).await {
+                Err(etcd_client::Error::GRpcStatus(status))
+                    if status.code() == tonic::Code::NotFound =>
+                {
+                    Ok(())
+                }
+                answer => answer.map(drop),
+            }
+        })
+        .await
+}
+
+/// A lease an acquisition attempt granted, until the attempt hands it back
+/// as acquired: every other way out revokes it, which deletes the
+/// contender key put on it \[S1\]. An attempt dropped midway (its step
+/// timed out, its caller went away) revokes it from the background
+/// runtime, so its key, if the put went through or goes through later,
+/// stands no longer than that revoke takes; only a cluster that cannot be
+/// reached leaves both to expire with the ttl.
+struct Granted<'a> {
+    backend: &'a EtcdBackend,
+    lease: Option<i64>,
+}
+
+impl Granted<'_> {
+    /// The lock was taken: the lease is the lock's now.
+    fn keep(mut self) {
+        self.lease = None;
+    }
+
+    /// Revokes the lease now, on the attempt's own task (a busy answer
+    /// then leaves no key behind when it returns).
+    async fn withdraw(mut self) -> Result<(), BackendError> {
+        let Some(lease) = self.lease else {
+            return Ok(());
+        };
+        // Dropped during the revoke, the guard sends it again from the
+        // background.
+        let revoked = revoke(&self.backend.inner.endpoints, lease).await;
+        self.lease = None;
+        revoked
+    }
+}
+
+impl Drop for Granted<'_> {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        let endpoints = Arc::clone(&self.backend.inner.endpoints);
+        let after = self.backend.inner.config.step_timeout;
+        self.backend.inner.endpoints.background().spawn(async move {
+            let revoked = tokio::time::timeout(after, revoke(&endpoints, lease)).await;
+            let error = match revoked {
+                Ok(Ok(())) => return,
+                Ok(Err(error)) => error,
+                Err(_) => BackendError::timeout("lease revoke", after),
+            };
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "the lease of a dropped attempt was not revoked; it expires with its ttl");
+        });
+    }
 }
 
 /// `ttl` in whole seconds, rounded up, at least 1.
@@ -438,9 +663,11 @@ impl fmt::Debug for EtcdBackend {
 /// # Cancel safety
 ///
 /// A dropped step may or may not have been applied. A dropped acquisition
-/// may have granted its lease and put its key: the driver's release with
-/// the same owner token finds the lease (remembered from its grant, or by
-/// the key's value) and deletes both; else both expire with the ttl.
+/// may have granted its lease and put its key: once its grant was
+/// answered, it revokes that lease from the background runtime (which
+/// deletes the key, put or still on its way) \[S1\]; a grant whose answer
+/// never came leaves a lease without a key, expiring with its ttl. A
+/// release with the same owner token still finds a key by its value.
 #[async_trait]
 impl LockBackend for EtcdBackend {
     fn capabilities(&self) -> Capabilities {
@@ -477,68 +704,32 @@ impl LockBackend for EtcdBackend {
                 })
                 .await?
                 .id();
-            self.remember(key, owner, lease);
-            let (start, end) = contender_range(key);
-            let contenders = GetOptions::new()
-                .with_range(end)
-                .with_keys_only()
-                .with_sort(SortTarget::Create, SortOrder::Ascend);
-            let txn = Txn::new().and_then(vec![
-                TxnOp::put(
-                    contender_key(key, lease),
-                    owner.as_str(),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-                TxnOp::get(start, Some(contenders)),
-            ]);
-            // Sent again after a failover, the put finds its own key and
-            // leaves its create revision as it was: the read compares
-            // create revisions, so the second answer is the first's.
-            let answer = self
-                .call(Again::Yes, |mut client| {
-                    let txn = txn.clone();
-                    async move { client.txn(txn).await }
-                })
-                .await?;
-            let mine = contender_key(key, lease);
-            let (lowest, own) = match answer.op_responses().get(1) {
-                Some(TxnOpResponse::Get(read)) => {
-                    let mut contenders = read.kvs().iter().filter(|kv| is_contender(key, kv.key()));
-                    let lowest = contenders.next().map(|kv| kv.create_revision());
-                    let own = read
-                        .kvs()
-                        .iter()
-                        .find(|kv| kv.key() == mine.as_bytes())
-                        .map(|kv| kv.create_revision());
-                    (lowest, own)
+            // From here on, every way out but "acquired" revokes the
+            // lease, a dropped attempt's in the background.
+            let granted = Granted {
+                backend: self,
+                lease: Some(lease),
+            };
+            match self.contend(key, owner, lease).await {
+                Ok(Some(fencing_token)) => {
+                    granted.keep();
+                    self.remember(key, owner, lease);
+                    Ok(AcquireOutcome::Acquired { fencing_token })
                 }
-                _ => (None, None),
-            };
-            let (Some(lowest), Some(own)) = (lowest, own) else {
-                return Err(protocol("the acquisition's read did not find its own key"));
-            };
-            if lowest == own {
-                let token =
-                    u64::try_from(own).map_err(|_| protocol("a negative create revision"))?;
-                return Ok(AcquireOutcome::Acquired {
-                    fencing_token: token,
-                });
-            }
-            // Busy: withdraw, or the key would stand in line.
-            self.call(Again::Yes, |mut client| async move {
-                match client.lease_revoke(lease).await {
-                    // Revoked by the first of two sends.
-                    Err(etcd_client::Error::GRpcStatus(status))
-                        if status.code() == tonic::Code::NotFound =>
-                    {
-                        Ok(())
+                // Busy: withdraw, or the key would stand in line.
+                Ok(None) => {
+                    granted.withdraw().await?;
+                    Ok(AcquireOutcome::Busy)
+                }
+                // Refused (permission), failed or unanswered: the put may
+                // have gone through, or go through later.
+                Err(error) => {
+                    if let Err(revoke) = granted.withdraw().await {
+                        tracing::debug!(error = %revoke, lease, "the lease of a failed attempt was not revoked; it expires with its ttl");
                     }
-                    answer => answer.map(drop),
+                    Err(error)
                 }
-            })
-            .await?;
-            self.forget(key, owner);
-            Ok(AcquireOutcome::Busy)
+            }
         })
         .await
     }
@@ -579,30 +770,29 @@ impl LockBackend for EtcdBackend {
 
     /// A transaction deletes the contender key if it still holds the owner
     /// token on its lease (and records the fencing token for the admin's
-    /// view of the free name); then the lease is revoked.
+    /// view of the free name, where the user may write it \[D3\]); then the
+    /// lease is revoked. Needs rights on the lock names only.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let (key, owner) = (lease.key(), lease.owner());
+        // A retry after a failure reads the lease by value.
+        let _forget = ForgetOnDrop {
+            backend: self,
+            name: key,
+            owner,
+        };
         self.step("release", async {
             let Some(id) = self.lease_of(key, owner).await? else {
                 return Ok(ReleaseOutcome::NotHeld);
             };
             let contender = contender_key(key, id);
-            let txn = Txn::new()
-                .when(vec![
-                    Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
-                    Compare::lease(contender.clone(), CompareOp::Equal, id),
-                ])
-                .and_then(release_ops(key, contender, lease.fencing_token()));
-            // Sent twice, a delete that went through the first time would
-            // answer "not held" the second.
+            let compares = vec![
+                Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
+                Compare::lease(contender.clone(), CompareOp::Equal, id),
+            ];
             let answer = self
-                .call(Again::No, |mut client| {
-                    let txn = txn.clone();
-                    async move { client.txn(txn).await }
-                })
+                .delete_contender(key, compares, contender, lease.fencing_token())
                 .await?;
             self.revoke_quietly(id).await;
-            self.forget(key, owner);
             Ok(if answer.succeeded() {
                 ReleaseOutcome::Released
             } else {
@@ -622,6 +812,13 @@ impl LockBackend for EtcdBackend {
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
         let (key, owner) = (lease.key(), lease.owner());
         let secs = self.lease_secs(hold.from_now);
+        // Moved or not, the key's lease is read by value from now on: a
+        // retry after a failed move may find it on the new lease.
+        let _forget = ForgetOnDrop {
+            backend: self,
+            name: key,
+            owner,
+        };
         self.step("hold", async {
             let Some(id) = self.lease_of(key, owner).await? else {
                 return Ok(ExtendOutcome::Expired);
@@ -644,7 +841,8 @@ impl LockBackend for EtcdBackend {
                     Some(PutOptions::new().with_lease(new)),
                 )]);
             // Sent twice, a move that went through the first time would
-            // find the key on the new lease the second.
+            // find the key on the new lease the second. A move that failed
+            // may have gone through: the new lease is left to its ttl.
             let answer = self
                 .call(Again::No, |mut client| {
                     let txn = txn.clone();
@@ -656,7 +854,6 @@ impl LockBackend for EtcdBackend {
                 return Ok(ExtendOutcome::Expired);
             }
             self.revoke_quietly(id).await;
-            self.forget(key, owner);
             Ok(ExtendOutcome::Extended)
         })
         .await

@@ -16,7 +16,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
-use lock_core::BackendError;
+use lock_core::{BackendError, Background};
 use tokio::sync::watch;
 use tonic::Code;
 
@@ -44,6 +44,9 @@ pub(crate) enum Again {
 }
 
 pub(crate) struct Endpoints {
+    /// Where the clients' connections live, and the backend's tasks run
+    /// \[T1\].
+    background: Background,
     urls: Vec<String>,
     options: ConnectOptions,
     failover_after: Duration,
@@ -67,17 +70,20 @@ impl Endpoints {
     /// Pins the first endpoint whose client can be made (without
     /// credentials, the first: its connection is made at its first
     /// request; with them, making a client logs in, within the failover
-    /// timeout). A refusal of the credentials ends it at once.
+    /// timeout). A refusal of the credentials ends it at once. Clients
+    /// are made inside `background`, so that their connections outlive
+    /// the caller's runtime \[T1\].
     pub(crate) async fn connect(
         urls: Vec<String>,
         options: ConnectOptions,
         failover_after: Duration,
+        background: Background,
     ) -> Result<Self, etcd_client::Error> {
         let mut last_error = None;
         for (index, url) in urls.iter().enumerate() {
             let made = tokio::time::timeout(
                 failover_after,
-                Client::connect([url], Some(options.clone())),
+                background.making(Client::connect([url], Some(options.clone()))),
             )
             .await;
             let client = match made {
@@ -94,6 +100,7 @@ impl Endpoints {
             };
             let (switched, _) = watch::channel(0);
             return Ok(Self {
+                background,
                 urls,
                 options,
                 failover_after,
@@ -112,6 +119,11 @@ impl Endpoints {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The background runtime the backend's tasks run on.
+    pub(crate) fn background(&self) -> &Background {
+        &self.background
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -169,7 +181,8 @@ impl Endpoints {
             };
             let made = tokio::time::timeout(
                 self.failover_after,
-                Client::connect([&url], Some(self.options.clone())),
+                self.background
+                    .making(Client::connect([&url], Some(self.options.clone()))),
             )
             .await;
             let error = match made {

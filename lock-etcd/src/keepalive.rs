@@ -9,8 +9,15 @@
 //! again at the next request; so is a stream a caller waited on for the
 //! failover timeout, whose endpoint is then passed over. A caller sends
 //! its keep-alive again after such a failure, once per endpoint.
+//!
+//! The task runs on the background runtime \[T1\], so it outlives the
+//! runtime the backend was made on. A stream serves no standing state
+//! (each keep-alive is asked for by a caller and answered once), so a
+//! stream that ended is opened again by the next keep-alive: the
+//! driver's extensions, spaced by their own backoff, are its retries.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use etcd_client::{LeaseKeepAliveStream, LeaseKeeper};
@@ -34,17 +41,30 @@ enum Command {
 pub(crate) struct KeepAlives {
     commands: mpsc::UnboundedSender<Command>,
     endpoints: Arc<Endpoints>,
+    /// How many leases have a keep-alive waiting for its answer, as the
+    /// task last counted them.
+    waiting: Arc<AtomicUsize>,
 }
 
 impl KeepAlives {
-    /// Starts the task; opening the stream waits for the first request.
+    /// Starts the task on the background runtime; opening the stream
+    /// waits for the first request.
     pub(crate) fn start(endpoints: &Arc<Endpoints>) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(Arc::clone(endpoints), rx));
+        let waiting = Arc::new(AtomicUsize::new(0));
+        endpoints
+            .background()
+            .spawn(run(Arc::clone(endpoints), rx, Arc::clone(&waiting)));
         Self {
             commands,
             endpoints: Arc::clone(endpoints),
+            waiting,
         }
+    }
+
+    /// How many leases have a keep-alive waiting for its answer.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
     }
 
     /// Sends one keep-alive for `lease` and waits for its answer: whether
@@ -126,11 +146,16 @@ async fn next_answer(
     }
 }
 
-async fn run(endpoints: Arc<Endpoints>, mut commands: mpsc::UnboundedReceiver<Command>) {
+async fn run(
+    endpoints: Arc<Endpoints>,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    count: Arc<AtomicUsize>,
+) {
     let after = endpoints.failover_after();
     let mut stream: Option<Stream> = None;
     let mut waiting: HashMap<i64, VecDeque<Reply>> = HashMap::new();
     loop {
+        count.store(waiting.len(), Ordering::Relaxed);
         tokio::select! {
             command = commands.recv() => match command {
                 None => return,

@@ -23,6 +23,10 @@ use std::time::Duration;
 
 use crate::{EtcdBackend, EtcdConfig};
 
+/// The root user [`EtcdCluster::enable_auth`] makes, as etcdctl's
+/// `--user` takes it.
+pub const ROOT: &str = "root:root-pw";
+
 /// What a test without etcd says.
 const INSTALL: &str = "etcd and etcdctl 3.4 must be on PATH for the lock-etcd tests: \
      run `.ci/install-etcd` and put the directory it prints on PATH \
@@ -225,6 +229,20 @@ impl EtcdCluster {
             .connect_timeout(Duration::from_secs(5))
     }
 
+    /// [`config`](Self::config) as the user `name` of
+    /// [`add_user`](Self::add_user) (password `<name>-pw`; `root` for
+    /// [`enable_auth`](Self::enable_auth)'s root). Logging in costs a
+    /// bcrypt hash on the server, slow on a loaded machine, so the
+    /// failover timeout (which bounds a login) and the step timeout are
+    /// 2 s, and the connect timeout 20 s.
+    pub fn user_config(&self, name: &str) -> EtcdConfig {
+        self.config()
+            .user(name, format!("{name}-pw"))
+            .step_timeout(Duration::from_secs(2))
+            .failover_timeout(Duration::from_secs(2))
+            .connect_timeout(Duration::from_secs(20))
+    }
+
     /// A backend on every member with [`config`](Self::config).
     ///
     /// # Panics
@@ -356,6 +374,90 @@ impl EtcdCluster {
             .env("ETCDCTL_API", "3")
             .arg(format!("--endpoints={}", self.endpoints().join(",")));
         command
+    }
+
+    /// [`etcdctl`](Self::etcdctl) as `user` (`name:password`).
+    pub fn etcdctl_as(&self, user: &str) -> Command {
+        let mut command = self.etcdctl();
+        command.arg(format!("--user={user}"));
+        command
+    }
+
+    /// Runs `etcdctl` (as `user`, when given) with `args` to its end.
+    ///
+    /// # Errors
+    ///
+    /// When it cannot run or fails, with its stderr.
+    pub fn run_etcdctl(&self, user: Option<&str>, args: &[&str]) -> io::Result<()> {
+        let mut command = match user {
+            Some(user) => self.etcdctl_as(user),
+            None => self.etcdctl(),
+        };
+        let out = command.args(args).output()?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!(
+                "etcdctl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )))
+        }
+    }
+
+    /// Turns etcd's authentication on, with the user `root` (password
+    /// [`ROOT`]'s), who may do anything.
+    ///
+    /// # Errors
+    ///
+    /// When etcdctl fails.
+    pub fn enable_auth(&self) -> io::Result<()> {
+        self.run_etcdctl(
+            None,
+            &["user", "add", "root:root-pw", "--interactive=false"],
+        )?;
+        self.run_etcdctl(None, &["auth", "enable"])
+    }
+
+    /// Adds the user `name` with password `<name>-pw` and the role
+    /// `role`, granted `permission` (`read`, `write`, `readwrite`) on
+    /// every key starting with each of `prefixes`, with the commands an
+    /// operator types (as root, after [`enable_auth`](Self::enable_auth)):
+    ///
+    /// ```sh
+    /// etcdctl role add ROLE
+    /// etcdctl role grant-permission ROLE --prefix=true PERMISSION PREFIX
+    /// etcdctl user add NAME:NAME-pw --interactive=false
+    /// etcdctl user grant-role NAME ROLE
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When etcdctl fails.
+    pub fn add_user(
+        &self,
+        name: &str,
+        role: &str,
+        permission: &str,
+        prefixes: &[&str],
+    ) -> io::Result<()> {
+        let root = Some(ROOT);
+        self.run_etcdctl(root, &["role", "add", role])?;
+        for prefix in prefixes {
+            self.run_etcdctl(
+                root,
+                &[
+                    "role",
+                    "grant-permission",
+                    role,
+                    "--prefix=true",
+                    permission,
+                    prefix,
+                ],
+            )?;
+        }
+        let password = format!("{name}:{name}-pw");
+        self.run_etcdctl(root, &["user", "add", &password, "--interactive=false"])?;
+        self.run_etcdctl(root, &["user", "grant-role", name, role])
     }
 }
 

@@ -18,8 +18,15 @@
 //! watch goes unconfirmed for the failover timeout, passes its endpoint
 //! over, and after any failover the stream is made again on the new
 //! endpoint, at once.
+//!
+//! The task runs on the background runtime \[T1\], so it outlives the
+//! runtime the backend was made on. Watches that cannot be made again
+//! (the endpoint still down) are tried again, the pause doubling from
+//! 200 ms up to 5 s until a watch is confirmed, for as long as somebody
+//! waits on their name.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,8 +42,10 @@ use crate::layout::{contender_range, is_contender};
 /// How often watches nobody waits on any more are cancelled.
 const SWEEP: Duration = Duration::from_secs(2);
 
-/// How long a broken stream waits before it is made again.
+/// How long a broken stream waits before it is made again; doubled after
+/// each rebuild that confirmed no watch, up to [`MAX_REBUILD_AFTER`].
 const REBUILD_AFTER: Duration = Duration::from_millis(200);
+const MAX_REBUILD_AFTER: Duration = Duration::from_secs(5);
 
 type Reply = oneshot::Sender<Result<(), BackendError>>;
 
@@ -49,17 +58,35 @@ struct Command {
 #[derive(Debug)]
 pub(crate) struct Watches {
     commands: mpsc::UnboundedSender<Command>,
+    counts: Arc<Counts>,
+}
+
+/// The sizes of the task's per-name structures, as it last counted them.
+#[derive(Debug, Default)]
+pub(crate) struct Counts {
+    /// Names with a watch, made or being made.
+    pub(crate) names: AtomicUsize,
+    /// Watches etcd confirmed.
+    pub(crate) ids: AtomicUsize,
+    /// Watches asked for and not confirmed yet.
+    pub(crate) creating: AtomicUsize,
+    /// Names to watch again on a new stream.
+    pub(crate) rebuild: AtomicUsize,
 }
 
 impl Watches {
-    /// Starts the task; the stream opens at the first watch.
+    /// Starts the task on the background runtime; the stream opens at the
+    /// first watch.
     pub(crate) fn start(
         endpoints: &Arc<Endpoints>,
         hub: ReleaseHub,
         step_timeout: Duration,
     ) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
+        let counts = Arc::new(Counts::default());
         let task = Task {
+            counts: Arc::clone(&counts),
+            rebuild_pause: REBUILD_AFTER,
             endpoints: Arc::clone(endpoints),
             hub,
             step_timeout,
@@ -71,8 +98,13 @@ impl Watches {
             rebuild: Vec::new(),
             rebuild_at: None,
         };
-        tokio::spawn(task.run(rx));
-        Self { commands }
+        endpoints.background().spawn(task.run(rx));
+        Self { commands, counts }
+    }
+
+    /// The sizes of the task's per-name structures.
+    pub(crate) fn counts(&self) -> &Counts {
+        &self.counts
     }
 
     /// Makes sure a watch on `name` is in place.
@@ -114,6 +146,9 @@ struct Stream {
 }
 
 struct Task {
+    counts: Arc<Counts>,
+    /// The pause before the next rebuild.
+    rebuild_pause: Duration,
     endpoints: Arc<Endpoints>,
     hub: ReleaseHub,
     step_timeout: Duration,
@@ -153,6 +188,7 @@ impl Task {
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut switched = self.endpoints.subscribe();
         loop {
+            self.count();
             let unconfirmed = self
                 .creating
                 .front()
@@ -160,7 +196,9 @@ impl Task {
             tokio::select! {
                 command = commands.recv() => match command {
                     None => return,
-                    Some(Command { name, reply }) => self.watch(name, Some(reply)).await,
+                    Some(Command { name, reply }) => {
+                        self.watch(name, Some(reply)).await;
+                    }
                 },
                 message = next_message(&mut self.stream) => match message {
                     Ok(Some(response)) => self.answer(&response),
@@ -181,24 +219,46 @@ impl Task {
                         self.rebuild_at = Some(Instant::now());
                     }
                 }
-                () = sleep_until(self.rebuild_at) => {
-                    self.rebuild_at = None;
-                    for name in std::mem::take(&mut self.rebuild) {
-                        if self.hub.is_watched(&name) {
-                            self.watch(name, None).await;
-                        }
-                    }
-                    // Releases between the old stream and the new one
-                    // were missed.
-                    self.hub.notify_all();
-                }
+                () = sleep_until(self.rebuild_at) => self.rebuild().await,
                 _ = sweep.tick() => self.sweep().await,
             }
         }
     }
 
-    /// Makes the watch on `name` unless it is there or under way.
-    async fn watch(&mut self, name: Arc<str>, reply: Option<Reply>) {
+    fn count(&self) {
+        let counts = &self.counts;
+        counts.names.store(self.names.len(), Ordering::Relaxed);
+        counts.ids.store(self.by_id.len(), Ordering::Relaxed);
+        counts
+            .creating
+            .store(self.creating.len(), Ordering::Relaxed);
+        counts.rebuild.store(self.rebuild.len(), Ordering::Relaxed);
+    }
+
+    /// Makes the watches still wanted again on a new stream; those that
+    /// cannot be made now are tried again after a pause that doubles
+    /// until a watch is confirmed.
+    async fn rebuild(&mut self) {
+        self.rebuild_at = None;
+        let mut names = std::mem::take(&mut self.rebuild).into_iter();
+        while let Some(name) = names.next() {
+            if self.hub.is_watched(&name) && !self.watch(Arc::clone(&name), None).await {
+                // The stream cannot be made: the rest waits too.
+                self.rebuild.push(name);
+                self.rebuild
+                    .extend(names.filter(|name| self.hub.is_watched(name)));
+                self.rebuild_at = Some(Instant::now() + self.rebuild_pause);
+                self.rebuild_pause = (self.rebuild_pause * 2).min(MAX_REBUILD_AFTER);
+                break;
+            }
+        }
+        // Releases between the old stream and the new one were missed.
+        self.hub.notify_all();
+    }
+
+    /// Makes the watch on `name` unless it is there or under way; says
+    /// whether it is.
+    async fn watch(&mut self, name: Arc<str>, reply: Option<Reply>) -> bool {
         if let Some(watched) = self.names.get_mut(&name) {
             match (watched.id, reply) {
                 (Some(_), Some(reply)) => {
@@ -207,7 +267,7 @@ impl Task {
                 (None, Some(reply)) => watched.waiting.push(reply),
                 (_, None) => {}
             }
-            return;
+            return true;
         }
         let made = tokio::time::timeout(self.step_timeout, self.make(&name)).await;
         let result = match made {
@@ -221,7 +281,7 @@ impl Task {
                     },
                 );
                 self.creating.push_back((name, Instant::now()));
-                return;
+                return true;
             }
             Ok(Err(error)) => Err(error),
             Err(_) => {
@@ -237,6 +297,7 @@ impl Task {
         if let Some(reply) = reply {
             let _ = reply.send(result);
         }
+        false
     }
 
     /// Reads the name's contenders and asks for a watch from the revision
@@ -310,6 +371,7 @@ impl Task {
             } else {
                 watched.id = Some(id);
                 self.by_id.insert(id, Arc::clone(&name));
+                self.rebuild_pause = REBUILD_AFTER;
                 Ok(())
             };
             for reply in watched.waiting.drain(..) {
@@ -387,7 +449,7 @@ impl Task {
         }
         self.hub.notify_all();
         if !self.rebuild.is_empty() {
-            self.rebuild_at = Some(Instant::now() + REBUILD_AFTER);
+            self.rebuild_at = Some(Instant::now() + self.rebuild_pause);
         }
     }
 

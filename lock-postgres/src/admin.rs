@@ -178,10 +178,13 @@ impl PostgresBackend {
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, BackendError> {
         let after = self.config().step_timeout;
-        match tokio::time::timeout(after, fut).await {
-            Ok(result) => result.map_err(step_error),
-            Err(_) => Err(step_timeout(name, after)),
-        }
+        self.in_background(async {
+            match tokio::time::timeout(after, fut).await {
+                Ok(result) => result.map_err(step_error),
+                Err(_) => Err(step_timeout(name, after)),
+            }
+        })
+        .await
     }
 }
 

@@ -5,10 +5,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use lock_core::background::Making;
 use lock_core::{
-    async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities,
-    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
-    ReleaseWatch, MAX_KEY_LEN,
+    async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Background,
+    Capabilities, ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub,
+    ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -29,6 +30,12 @@ pub const MAX_EXTEND_BATCH: usize = 1000;
 ///
 /// Cheap to clone; clones share the pool and the listening connection. The
 /// listening task stops when the last clone is dropped.
+///
+/// The listening connection, and every connection the backend's steps
+/// make, live on the process's background runtime ([`Background`]), not
+/// on the caller's: a backend made on one runtime keeps working on
+/// another after the first was dropped or while it idles \[T1\] (see
+/// the crate's "Runtimes").
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
@@ -41,6 +48,8 @@ struct Inner {
     sql: Statements,
     hub: ReleaseHub,
     listener: Option<Listener>,
+    /// Where the listener runs and the steps make their connections.
+    background: Background,
     /// Set once the table's `sequence` column was found to be `bigint`;
     /// see [`PostgresBackend::check_sequence_column`].
     sequence_checked: OnceCell<()>,
@@ -74,13 +83,29 @@ impl PostgresBackend {
     ///
     /// [`SetupError::InvalidConfig`] when `config` does not validate.
     pub fn with_config(pool: PgPool, config: PostgresConfig) -> Result<Self, SetupError> {
+        Self::with_background(pool, config, Background::default())
+    }
+
+    /// [`with_config`](Self::with_config) on the background runtime whose
+    /// hold made `pool`.
+    fn with_background(
+        pool: PgPool,
+        config: PostgresConfig,
+        background: Background,
+    ) -> Result<Self, SetupError> {
         config.validate()?;
         let table = config.qualified_table()?;
         let sql = Statements::new(&table, config.release_notifications);
         let hub = ReleaseHub::new();
-        let listener = config
-            .release_notifications
-            .then(|| Listener::new(&pool, &config.channel, hub.clone(), config.step_timeout));
+        let listener = config.release_notifications.then(|| {
+            Listener::new(
+                &pool,
+                &config.channel,
+                hub.clone(),
+                config.step_timeout,
+                background.clone(),
+            )
+        });
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
@@ -89,6 +114,7 @@ impl PostgresBackend {
                 sql,
                 hub,
                 listener,
+                background,
                 sequence_checked: OnceCell::new(),
             }),
         })
@@ -118,10 +144,15 @@ impl PostgresBackend {
     /// error never shows the URL.
     pub fn from_url_with(url: &str, config: PostgresConfig) -> Result<Self, SetupError> {
         config.validate()?;
-        let pool = Self::pool_options(&config)
-            .connect_lazy(url)
-            .map_err(SetupError::InvalidUrl)?;
-        Self::with_config(pool, config)
+        let background = Background::default();
+        // sqlx spawns the pool's maintenance task on the current runtime.
+        let pool = {
+            let _inside = background.handle().enter();
+            Self::pool_options(&config)
+                .connect_lazy(url)
+                .map_err(SetupError::InvalidUrl)?
+        };
+        Self::with_background(pool, config, background)
     }
 
     /// Like [`from_url`](Self::from_url), and opens one connection at once
@@ -150,11 +181,12 @@ impl PostgresBackend {
     /// Dropping the future drops the pool being connected; nothing is left.
     pub async fn connect_with(url: &str, config: PostgresConfig) -> Result<Self, SetupError> {
         config.validate()?;
-        let pool = Self::pool_options(&config)
-            .connect(url)
+        let background = Background::default();
+        let pool = background
+            .making(Self::pool_options(&config).connect(url))
             .await
             .map_err(SetupError::Connect)?;
-        Self::with_config(pool, config)
+        Self::with_background(pool, config, background)
     }
 
     fn pool_options(config: &PostgresConfig) -> PgPoolOptions {
@@ -174,6 +206,19 @@ impl PostgresBackend {
     /// The quoted, schema-qualified table name, as the statements use it.
     pub fn qualified_table(&self) -> &str {
         &self.inner.table
+    }
+
+    /// The size of each per-key structure the backend keeps in memory, by
+    /// name, for tests \[T2\]. There is one: `watched_keys`, the release
+    /// hub's entries, one per key that a waiter (or a holder, for its own
+    /// key) watches; an entry goes with the key's last watch, so the bound
+    /// at rest is 0. The backend keeps nothing else per key: the
+    /// listener serves every key on one channel, and the pool's prepared
+    /// statements are the backend's fixed SQL texts, with the key bound.
+    /// (The table keeps one row per key ever locked, as Ruby Locker does.)
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        vec![("watched_keys", self.inner.hub.watched_keys())]
     }
 
     /// The SQL text of the four steps (acquire, extend, the minimum hold,
@@ -212,8 +257,7 @@ impl PostgresBackend {
                 migration_lock_key(&self.inner.table),
                 text.replace("{{table}}", &self.inner.table)
             );
-            sqlx::raw_sql(&script)
-                .execute(&self.inner.pool)
+            self.in_background(sqlx::raw_sql(&script).execute(&self.inner.pool))
                 .await
                 .map_err(|source| SetupError::Migrate {
                     migration: name,
@@ -237,10 +281,25 @@ impl PostgresBackend {
             let conn = self.inner.pool.acquire().await.map_err(checkout_error)?;
             statement(conn).await.map_err(step_error)
         };
-        match tokio::time::timeout(after, work).await {
-            Ok(result) => result,
-            Err(_) => Err(step_timeout(name, after)),
-        }
+        // The timer too is the background runtime's: a step dropped
+        // midway is finished there by the driver, maybe after the
+        // caller's runtime (and its timers) ended.
+        self.in_background(async {
+            match tokio::time::timeout(after, work).await {
+                Ok(result) => result,
+                Err(_) => Err(step_timeout(name, after)),
+            }
+        })
+        .await
+    }
+
+    /// `work` polled inside the background runtime \[T1\]: a connection
+    /// the pool makes meanwhile registers its socket there, the task sqlx
+    /// spawns to return a connection to the pool runs there, and a timer
+    /// made meanwhile is that runtime's, so none depends on the caller's
+    /// runtime. The caller's task still runs the statement: no task hop.
+    pub(crate) fn in_background<F: Future>(&self, work: F) -> Making<F> {
+        self.inner.background.making(work)
     }
 
     /// Refuses a table whose `sequence` column cannot hold the fencing

@@ -1,10 +1,16 @@
 //! The one `LISTEN` connection of a backend, dispatching release
 //! notifications to its [`ReleaseHub`].
+//!
+//! It runs on the process's background runtime \[T1\], never on a
+//! caller's: a caller's runtime may be dropped, or left idle, after the
+//! first wait started the listener there, and waiters would then poll
+//! while the listener said it listened.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lock_core::{BackendError, ReleaseHub};
+use lock_core::{BackendError, Background, ReleaseHub};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -19,86 +25,106 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from
 enum State {
     /// Not (yet, or no longer) listening; the last error, if any.
     Down(Option<BackendError>),
-    /// `LISTEN` is active: every release from now on is heard.
+    /// `LISTEN` is active and the task that reads it runs: every release
+    /// from now on is heard.
     Listening,
 }
 
-/// Starts its task on first use, in the runtime of that use, and stops it
-/// when dropped (with the backend).
-pub(crate) struct Listener {
+/// What the listening task needs, shared with the [`Listener`].
+struct Shared {
     pool: PgPool,
     channel: String,
     hub: ReleaseHub,
     connect_timeout: Duration,
     state: watch::Sender<State>,
+    /// Whether `LISTEN` was ever active: every later `LISTEN` wakes every
+    /// watch, since releases may have been missed in between.
+    listened: AtomicBool,
+}
+
+/// Starts its task on first use, on the background runtime, and stops it
+/// when dropped (with the backend).
+pub(crate) struct Listener {
+    shared: Arc<Shared>,
+    background: Background,
+    /// The supervising task, while one was started.
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Listener {
     /// A listener on `channel`, connecting with the options of `pool` over
-    /// a one-connection pool of its own, so it never takes a connection
-    /// from the user's pool.
+    /// a one-connection pool of its own (made on `background`, as is its
+    /// connection), so it never takes a connection from the user's pool.
     pub(crate) fn new(
         pool: &PgPool,
         channel: &str,
         hub: ReleaseHub,
         connect_timeout: Duration,
+        background: Background,
     ) -> Self {
-        let own = PgPoolOptions::new()
-            .max_connections(1)
-            .min_connections(0)
-            .acquire_timeout(connect_timeout)
-            .connect_lazy_with((*pool.connect_options()).clone());
+        // sqlx spawns the pool's maintenance task on the current runtime.
+        let own = {
+            let _inside = background.handle().enter();
+            PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .acquire_timeout(connect_timeout)
+                .connect_lazy_with((*pool.connect_options()).clone())
+        };
         Self {
-            pool: own,
-            channel: channel.to_owned(),
-            hub,
-            connect_timeout,
-            state: watch::Sender::new(State::Down(None)),
+            shared: Arc::new(Shared {
+                pool: own,
+                channel: channel.to_owned(),
+                hub,
+                connect_timeout,
+                state: watch::Sender::new(State::Down(None)),
+                listened: AtomicBool::new(false),
+            }),
+            background,
             task: Mutex::new(None),
         }
     }
 
-    /// Starts the task if needed, then waits until `LISTEN` is active.
+    /// Starts the task if it does not run, then waits until `LISTEN` is
+    /// active.
     ///
     /// # Errors
     ///
     /// The listener's last connection error, or a timeout, when `LISTEN`
     /// is not active within the connect timeout.
     pub(crate) async fn ensure_listening(&self) -> Result<(), BackendError> {
-        let mut rx = self.state.subscribe();
+        let mut rx = self.shared.state.subscribe();
+        // `Listening` only while the task runs: it says `Down` as it ends.
         if matches!(*rx.borrow_and_update(), State::Listening) {
             return Ok(());
         }
         self.start();
         let waited = tokio::time::timeout(
-            self.connect_timeout,
+            self.shared.connect_timeout,
             rx.wait_for(|s| matches!(s, State::Listening)),
         )
         .await;
         match waited {
             Ok(Ok(_)) => Ok(()),
-            _ => match &*self.state.borrow() {
+            _ => match &*self.shared.state.borrow() {
                 State::Listening => Ok(()),
                 State::Down(Some(error)) => Err(error.clone()),
-                State::Down(None) => Err(step_timeout("LISTEN", self.connect_timeout)),
+                State::Down(None) => Err(step_timeout("LISTEN", self.shared.connect_timeout)),
             },
         }
     }
 
-    /// Spawns the task unless it runs already.
+    /// Spawns the task on the background runtime unless it runs already.
     fn start(&self) {
         let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
         if task.as_ref().is_some_and(|t| !t.is_finished()) {
             return;
         }
-        *task = Some(tokio::spawn(run(
-            self.pool.clone(),
-            self.channel.clone(),
-            self.hub.clone(),
-            self.connect_timeout,
-            self.state.clone(),
-        )));
+        *task = Some(
+            self.background
+                .handle()
+                .spawn(supervise(Arc::clone(&self.shared))),
+        );
     }
 }
 
@@ -115,40 +141,84 @@ impl Drop for Listener {
     }
 }
 
-/// Connects, listens and dispatches until the connection drops, then does
-/// it again, waking every watch after each reconnection since releases may
-/// have been missed meanwhile. The first connection wakes nobody: a watch
-/// made before it is returned only once LISTEN is active, and the driver
-/// tries again right after getting it.
-async fn run(
-    pool: PgPool,
-    channel: String,
-    hub: ReleaseHub,
-    connect_timeout: Duration,
-    state: watch::Sender<State>,
-) {
+/// Aborts its task when dropped: the listening task ends with the
+/// supervisor that started it.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs the listening task, and runs it again with backoff should it
+/// ever end (a panic in the driver): the listener is then `Down` until
+/// the new task listens, which wakes every watch.
+async fn supervise(shared: Arc<Shared>) {
     let mut backoff = BACKOFF.0;
-    let mut reconnecting = false;
     loop {
-        let mut listener = match connect(&pool, &channel, connect_timeout).await {
+        let mut task = AbortOnDrop(tokio::spawn(listen(Arc::clone(&shared))));
+        match (&mut task.0).await {
+            // `listen` never returns; it is cancelled only with this task
+            // (the backend dropped) or with the runtime.
+            Ok(()) => return,
+            Err(error) if error.is_cancelled() => return,
+            Err(error) => {
+                tracing::warn!(%error, "release listener task ended; starting it again");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF.1);
+    }
+}
+
+/// Says `Down` when the listening task ends, however it ends: a listener
+/// that does not run does not listen.
+struct DownWhenDropped(Arc<Shared>);
+
+impl Drop for DownWhenDropped {
+    fn drop(&mut self) {
+        self.0.state.send_if_modified(|state| {
+            let listening = matches!(state, State::Listening);
+            if listening {
+                *state = State::Down(None);
+            }
+            listening
+        });
+    }
+}
+
+/// Connects, listens and dispatches until the connection drops, then does
+/// it again, waking every watch after each `LISTEN` but the listener's
+/// very first, since releases may have been missed meanwhile. The first
+/// wakes nobody: a watch made before it is returned only once LISTEN is
+/// active, and the driver tries again right after getting it.
+async fn listen(shared: Arc<Shared>) {
+    let _down = DownWhenDropped(Arc::clone(&shared));
+    let mut backoff = BACKOFF.0;
+    loop {
+        // This task runs on the background runtime, so the connection's
+        // socket is registered there too.
+        let mut listener = match connect(&shared.pool, &shared.channel, shared.connect_timeout)
+            .await
+        {
             Ok(listener) => listener,
             Err(error) => {
                 tracing::debug!(error = %lock_core::ErrorChain(&error), "release listener could not connect; retrying");
-                state.send_replace(State::Down(Some(error)));
+                shared.state.send_replace(State::Down(Some(error)));
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(BACKOFF.1);
                 continue;
             }
         };
         backoff = BACKOFF.0;
-        state.send_replace(State::Listening);
-        if reconnecting {
-            hub.notify_all();
+        shared.state.send_replace(State::Listening);
+        if shared.listened.swap(true, Ordering::SeqCst) {
+            shared.hub.notify_all();
         }
-        reconnecting = true;
         let error = loop {
             match listener.try_recv().await {
-                Ok(Some(notification)) => hub.notify(notification.payload()),
+                Ok(Some(notification)) => shared.hub.notify(notification.payload()),
                 Ok(None) => break None,
                 Err(error) => break Some(step_error(error)),
             }
@@ -159,7 +229,7 @@ async fn run(
                 .map(|e| tracing::field::display(lock_core::ErrorChain(e))),
             "release listener lost its connection; reconnecting"
         );
-        state.send_replace(State::Down(error));
+        shared.state.send_replace(State::Down(error));
         // Dropped rather than left to reconnect by itself, so that this
         // loop knows when LISTEN is active again.
         drop(listener);

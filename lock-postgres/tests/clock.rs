@@ -21,7 +21,9 @@ fn a_client_clock_an_hour_off_changes_nothing() {
         tokio::time::advance(Duration::from_secs(3600)).await;
         tokio::time::resume();
 
-        let locker = Locker::new(Arc::clone(&backend));
+        // The extender on this runtime's clock, the one that jumped.
+        let options = lock_core::LockerOptions::default().caller_runtime(true);
+        let locker = Locker::with_options(Arc::clone(&backend), options).unwrap();
         let key = format!("clock:{:016x}", rand::random::<u64>());
         let ttl = Duration::from_millis(2500);
         let sql = format!(

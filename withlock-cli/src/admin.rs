@@ -53,7 +53,7 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
         return Err(Failure::new(
             USAGE,
             format!(
-                "refusing to free {:?} without --force: its holder would go on without the lock until its next extension",
+                "refusing to free {:?} without --force: a withlock run holding it hears the release within about a second, terminates its command and exits 79",
                 args.key
             ),
         ));

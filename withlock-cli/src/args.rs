@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::exit::Failure;
+use crate::store::Scheme;
 
 /// The exit codes, as `--help` shows them.
 const EXIT_CODES: &str = "\
@@ -26,8 +27,10 @@ Exit codes of `withlock run`:
   79     the lock was lost while the command ran: the command was sent
          SIGTERM, then SIGKILL after --grace, whatever it then returned
   124    the command ran past --max-runtime and was terminated
-  126    the command could not be executed; 127: it was not found (both
-         checked before the lock is taken)
+  126    the command could not be executed (or a script's #! line names
+         an interpreter that cannot be); 127: it was not found (or the
+         NAME of `#!/usr/bin/env NAME` is not on PATH); all checked
+         before the lock is taken
   128+S  withlock got signal S while waiting; the command did not run
 A command's own exit code of 75-79 or 124 cannot be told from withlock's.
 `status` exits 0 when the key is held and 1 when it is free. Admin
@@ -38,22 +41,29 @@ without an expiry or of another format): it was left untouched.";
 /// Where the locks are: the backend URL and its table or prefix.
 const STORE_HELP: &str = "\
 Backends, by URL scheme:
-  redis://[user:pass@]host:port[/db], rediss://…
+  redis://[user:pass@]host:port[/db][?protocol=resp3], rediss://…
       one Redis server: the lock is the Redis key itself
-  redis+cluster://[user:pass@]host:port[,host:port…], rediss+cluster://…
+  redis+cluster://[user:pass@]host:port[,host:port…][?protocol=resp3],
+  rediss+cluster://…
       a Redis Cluster (7.0 or later), found from any of its nodes; the
-      user and password are used on every node
+      user, password and query are used on every node
   redis+sentinel://[user:pass@]host:port[,host:port…]/MASTER[?data_password=P&data_username=U&db=N]
       the primary that the Sentinels at host:port name MASTER; the user
       and password are the Sentinels' own, the query gives the data nodes'
       (their requirepass or ACL user, percent-encoded) and the database
   postgres://, postgresql://
       one row per key in a table, created once by `withlock migrate`
-      (`run` never creates it); see --schema and --table
+      (`run` never creates it); see --schema and --table; the query
+      takes sqlx's parameters (sslmode, sslrootcert, sslcert, sslkey,
+      application_name, options, …)
   etcd://[user:pass@]host[:port][,host[:port]…], etcds://…
       an etcd cluster (3.4 or later), in the key layout of etcd's own lock,
       so that `etcdctl lock KEY` and withlock exclude each other; the port
       defaults to 2379; etcds:// is TLS, checked against the system's roots
+A query parameter the URL's driver would ignore is refused (64), and so
+are --schema and --table for another backend than PostgreSQL and
+--redis-prefix for another than Redis (from the environment: a warning,
+none with `run -q`).
 The URL may be read from a file (--url-file, WITHLOCK_URL_FILE), so that
 no password shows in `ps`. Every backend has the same list, inspect,
 status and release commands.";
@@ -185,6 +195,53 @@ pub(crate) struct StoreArgs {
         default_value = ""
     )]
     pub(crate) redis_prefix: String,
+    /// Where `--schema`, `--table` and `--redis-prefix` came from (see
+    /// [`backend_options`](Self::backend_options)); set by `main` from
+    /// clap's matches.
+    #[arg(skip)]
+    pub(crate) sources: Sources,
+}
+
+/// Where an option's value came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Its default: not given.
+    #[default]
+    Default,
+    /// The environment variable.
+    Environment,
+    /// The command line.
+    CommandLine,
+}
+
+impl Source {
+    /// The source of the argument `id` in `matches`.
+    pub(crate) fn of(matches: &clap::ArgMatches, id: &str) -> Self {
+        match matches.value_source(id) {
+            Some(clap::parser::ValueSource::CommandLine) => Self::CommandLine,
+            Some(clap::parser::ValueSource::EnvVariable) => Self::Environment,
+            _ => Self::Default,
+        }
+    }
+}
+
+/// Where the options meant for one backend came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sources {
+    pub(crate) schema: Source,
+    pub(crate) table: Source,
+    pub(crate) redis_prefix: Source,
+}
+
+impl Sources {
+    /// The sources of the store options in a subcommand's `matches`.
+    pub(crate) fn of(matches: &clap::ArgMatches) -> Self {
+        Self {
+            schema: Source::of(matches, "schema"),
+            table: Source::of(matches, "table"),
+            redis_prefix: Source::of(matches, "redis_prefix"),
+        }
+    }
 }
 
 impl StoreArgs {
@@ -218,6 +275,66 @@ impl StoreArgs {
             }
         }
         Ok(())
+    }
+}
+
+impl StoreArgs {
+    /// Checks that the options meant for one backend (`--schema` and
+    /// `--table` for PostgreSQL, `--redis-prefix` for Redis) are not set
+    /// for another, which would ignore them: given on the command line,
+    /// a usage failure; from the environment (a host may export one set
+    /// for jobs on several backends), a warning, given back for the
+    /// caller to print.
+    pub(crate) fn backend_options(&self) -> Result<Vec<String>, Failure> {
+        let scheme = Scheme::of(&self.url)?;
+        let postgres = scheme == Scheme::Postgres;
+        let redis = matches!(
+            scheme,
+            Scheme::Redis | Scheme::RedisCluster { .. } | Scheme::RedisSentinel
+        );
+        let backend = match scheme {
+            Scheme::Postgres => "PostgreSQL",
+            Scheme::Etcd => "etcd",
+            _ => "Redis",
+        };
+        let mut warnings = Vec::new();
+        for (option, variable, source, meant, fits) in [
+            (
+                "--schema",
+                "WITHLOCK_PG_SCHEMA",
+                self.sources.schema,
+                "PostgreSQL",
+                postgres,
+            ),
+            (
+                "--table",
+                "WITHLOCK_PG_TABLE",
+                self.sources.table,
+                "PostgreSQL",
+                postgres,
+            ),
+            (
+                "--redis-prefix",
+                "WITHLOCK_REDIS_PREFIX",
+                self.sources.redis_prefix,
+                "Redis",
+                redis,
+            ),
+        ] {
+            match source {
+                _ if fits => {}
+                Source::Default => {}
+                Source::CommandLine => {
+                    return Err(Failure::usage(format!(
+                        "{option} is for {meant} only; the URL is {backend}'s, which would ignore it"
+                    )))
+                }
+                Source::Environment => warnings.push(format!(
+                    "warning: {variable} is set but ignored: it is for {meant} only, and the URL is {backend}'s"
+                )),
+            }
+        }
+        Ok(warnings)
     }
 }
 
@@ -314,10 +431,10 @@ pub(crate) struct RunArgs {
     /// Default: `<hostname>:<pid>`.
     #[arg(long, env = "WITHLOCK_NODE_ID", value_name = "ID")]
     pub(crate) node_id: Option<String>,
-    /// Say nothing when the lock is busy: no status line while waiting
-    /// and no line when giving up (the exit code still says it: 75, or
-    /// --busy-exit). There is no status line when stderr is not a terminal
-    /// either.
+    /// Say nothing when the lock is busy: no status line while waiting,
+    /// no line when giving up and no --log-format record of the run (the
+    /// exit code still says it: 75, or --busy-exit). There is no status
+    /// line when stderr is not a terminal either.
     #[arg(long, short)]
     pub(crate) quiet: bool,
     /// The command and its arguments, after `--`.

@@ -113,7 +113,17 @@ impl Job {
         let name = command
             .next()
             .ok_or_else(|| Failure::usage("no command after `--`"))?;
-        let program = find_program(&name, std::env::var_os("PATH").as_deref())?;
+        let path = std::env::var_os("PATH");
+        let program = find_program(&name, path.as_deref())?;
+        check_interpreter(&program, path.as_deref()).map_err(|bad| {
+            Failure::new(
+                bad.code(),
+                format!(
+                    "{} {bad}; the command did not run",
+                    Path::new(&name).display()
+                ),
+            )
+        })?;
         Ok(Self {
             name,
             program,
@@ -186,7 +196,7 @@ fn supervisor_program() -> PathBuf {
 fn find_program(name: &OsStr, path: Option<&OsStr>) -> Result<PathBuf, Failure> {
     let shown = Path::new(name).display().to_string();
     if name.is_empty() {
-        return Err(Failure::new(exit::NOT_FOUND, "the command is empty"));
+        return Err(Failure::usage("the command after `--` is empty"));
     }
     if name.as_bytes().contains(&b'/') {
         let program = PathBuf::from(name);
@@ -231,19 +241,148 @@ fn find_program(name: &OsStr, path: Option<&OsStr>) -> Result<PathBuf, Failure> 
     }
 }
 
+/// How many `#!` interpreters deep a script is followed, as Linux does
+/// (`BINPRM_MAX_RECURSION`): an interpreter may itself be a script.
+const MAX_INTERPRETERS: usize = 4;
+/// How much of a script's first line the kernel reads (`BINPRM_BUF_SIZE`).
+const SHEBANG_BYTES: usize = 256;
+
+/// Why a script cannot start: its `#!` line names an interpreter that is
+/// missing or cannot be executed, or (through `env`) a command not on
+/// `PATH`.
+#[derive(Debug)]
+pub(crate) enum BadInterpreter {
+    /// The interpreter its `#!` line names cannot be used.
+    Interpreter {
+        interpreter: PathBuf,
+        unusable: Unusable,
+    },
+    /// `#!/usr/bin/env NAME`, and `NAME` is not on `PATH`.
+    NotOnPath { name: OsString },
+}
+
+impl BadInterpreter {
+    /// The exit code: 127 for a command `env` would not find (as `env`
+    /// exits), else 126 (as a shell exits for a bad interpreter).
+    pub(crate) fn code(&self) -> u8 {
+        match self {
+            Self::NotOnPath { .. } => exit::NOT_FOUND,
+            Self::Interpreter { .. } => exit::CANNOT_EXECUTE,
+        }
+    }
+}
+
+impl fmt::Display for BadInterpreter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, why) = match self {
+            Self::Interpreter {
+                interpreter,
+                unusable,
+            } => (interpreter.as_os_str(), unusable.to_string()),
+            Self::NotOnPath { name } => (name.as_os_str(), "not found on PATH".to_owned()),
+        };
+        let shown = name.to_string_lossy();
+        write!(
+            f,
+            "has a bad interpreter: its #! line names {shown:?}, which {why}"
+        )?;
+        if name.as_bytes().ends_with(b"\r") {
+            f.write_str(
+                " (the line ends in \\r: the script has Windows line ends; dos2unix mends it)",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks what the kernel will do with `program`'s `#!` line, if it has
+/// one: the interpreter it names exists and may be executed (followed as
+/// the kernel follows it, when it is a script too); for `#!/usr/bin/env
+/// NAME`, that `NAME` is on `path`. A file that cannot be read (execute
+/// permission without read) is left to `exec`.
+pub(crate) fn check_interpreter(
+    program: &Path,
+    path: Option<&OsStr>,
+) -> Result<(), BadInterpreter> {
+    let mut program = program.to_path_buf();
+    for _ in 0..MAX_INTERPRETERS {
+        let Some((interpreter, argument)) = shebang(&program) else {
+            return Ok(());
+        };
+        executable(&interpreter).map_err(|unusable| BadInterpreter::Interpreter {
+            interpreter: interpreter.clone(),
+            unusable,
+        })?;
+        if interpreter.file_name() == Some(OsStr::new("env")) {
+            // `env NAME`: one word, no option (`env -S …` and the like
+            // are left to env).
+            if let Some(name) = argument.filter(|a| !a.as_bytes().starts_with(b"-")) {
+                if find_program(&name, path).is_err() {
+                    return Err(BadInterpreter::NotOnPath { name });
+                }
+            }
+            return Ok(());
+        }
+        program = interpreter;
+    }
+    Ok(())
+}
+
+/// The interpreter and its one optional argument on the `#!` line of the
+/// file at `path`, split as Linux splits it: after `#!` and blanks, the
+/// interpreter runs to a blank or the end of the line, the rest (blanks
+/// trimmed) is one argument. A `\r` is neither a blank nor an end of line.
+/// None when the file is not a script or cannot be read.
+fn shebang(path: &Path) -> Option<(PathBuf, Option<OsString>)> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(SHEBANG_BYTES);
+    std::fs::File::open(path)
+        .ok()?
+        .take(SHEBANG_BYTES as u64)
+        .read_to_end(&mut head)
+        .ok()?;
+    let line = head.strip_prefix(b"#!")?;
+    let line = line.split(|&b| b == b'\n' || b == 0).next().unwrap_or(line);
+    let blank = |b: &u8| *b == b' ' || *b == b'\t';
+    let line = match line.iter().position(|b| !blank(b)) {
+        Some(start) => &line[start..],
+        None => return None,
+    };
+    let end = line.iter().position(blank).unwrap_or(line.len());
+    let interpreter = PathBuf::from(OsStr::from_bytes(&line[..end]));
+    let rest = &line[end..];
+    let argument = match (
+        rest.iter().position(|b| !blank(b)),
+        rest.iter().rposition(|b| !blank(b)),
+    ) {
+        (Some(start), Some(last)) => Some(OsStr::from_bytes(&rest[start..=last]).to_owned()),
+        _ => None,
+    };
+    Some((interpreter, argument))
+}
+
 /// Why a file cannot be run.
 #[derive(Debug)]
-enum Unusable {
+pub(crate) enum Unusable {
     Missing,
     Directory,
     NotExecutable(Errno),
 }
 
+impl fmt::Display for Unusable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Directory => f.write_str("is a directory"),
+            Self::NotExecutable(errno) => write!(f, "cannot be executed: {}", errno.desc()),
+            Self::Missing => f.write_str("does not exist"),
+        }
+    }
+}
+
 fn cannot_execute(shown: &str, unusable: &Unusable) -> Failure {
     let why = match unusable {
-        Unusable::Directory => "is a directory".to_owned(),
-        Unusable::NotExecutable(errno) => format!("cannot be executed: {}", errno.desc()),
         Unusable::Missing => "no such file".to_owned(),
+        other => other.to_string(),
     };
     Failure::new(
         exit::CANNOT_EXECUTE,
@@ -453,6 +592,39 @@ mod tests {
         let file = find_program(OsStr::new("/etc/passwd"), None).unwrap_err();
         assert_eq!(file.code, exit::CANNOT_EXECUTE, "{}", file.message);
         assert!(file.message.contains("/etc/passwd"), "{}", file.message);
+    }
+
+    #[test]
+    fn shebang_lines_split_as_linux_splits_them() {
+        let dir = std::env::temp_dir().join(format!("withlock-shebang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let line = |text: &[u8]| {
+            let path = dir.join("script");
+            std::fs::write(&path, text).unwrap();
+            shebang(&path)
+        };
+        let words = |i: &str, a: Option<&str>| Some((PathBuf::from(i), a.map(OsString::from)));
+        assert_eq!(line(b"#!/bin/sh\n"), words("/bin/sh", None));
+        assert_eq!(line(b"#!/bin/sh\r\n"), words("/bin/sh\r", None));
+        assert_eq!(
+            line(b"#! /bin/sh -e -u \n"),
+            words("/bin/sh", Some("-e -u"))
+        );
+        assert_eq!(
+            line(b"#!/usr/bin/env bash\r\n"),
+            words("/usr/bin/env", Some("bash\r"))
+        );
+        assert_eq!(line(b"#!/bin/sh"), words("/bin/sh", None));
+        assert_eq!(line(b"#!  \n"), None);
+        assert_eq!(line(b"\x7fELF"), None);
+        assert!(check_interpreter(&dir.join("script"), None).is_ok());
+        std::fs::write(dir.join("script"), b"#!/bin/sh\r\n").unwrap();
+        let bad = check_interpreter(&dir.join("script"), None).unwrap_err();
+        assert_eq!(bad.code(), exit::CANNOT_EXECUTE);
+        std::fs::write(dir.join("script"), b"#!/usr/bin/env withlock-no-such\n").unwrap();
+        let bad = check_interpreter(&dir.join("script"), Some(OsStr::new("/bin"))).unwrap_err();
+        assert_eq!(bad.code(), exit::NOT_FOUND);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

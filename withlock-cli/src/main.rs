@@ -17,23 +17,40 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
-use crate::args::{Cli, Command};
+use crate::args::{Cli, Command, Sources};
 
 /// How long the runtime may take to stop its tasks at exit.
 const RUNTIME_SHUTDOWN: Duration = Duration::from_millis(200);
 
 fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
-    let mut cli = match Cli::try_parse_from(&argv) {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches_from(&argv)
+        .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, matches)));
+    let (mut cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(error) => return ExitCode::from(argument_error(&error, &argv)),
     };
+    // `-q` keeps a cron job's runs silent: no warnings either.
+    let quiet = matches!(&cli.command, Command::Run(args) if args.quiet);
     if let Some(store) = cli.command.store_mut() {
-        if let Err(failure) = store.resolve_url() {
-            eprintln!("withlock: {}", failure.message);
-            return ExitCode::from(failure.code);
+        if let Some((_, sub)) = matches.subcommand() {
+            store.sources = Sources::of(sub);
+        }
+        let checked = store.resolve_url().and_then(|()| store.backend_options());
+        match checked {
+            Ok(warnings) if !quiet => {
+                for warning in warnings {
+                    eprintln!("withlock: {warning}");
+                }
+            }
+            Ok(_) => {}
+            Err(failure) => {
+                eprintln!("withlock: {}", failure.message);
+                return ExitCode::from(failure.code);
+            }
         }
     }
     let command = match cli.command {

@@ -174,13 +174,15 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         }
     };
     locker.shutdown(SHUTDOWN_GRACE).await;
-    record.ended(&record::Ended {
-        token: end.token,
-        waited: end.waited,
-        ran: end.ran,
-        exit: end.code,
-        cause: end.cause.as_deref(),
-    });
+    if !end.silent {
+        record.ended(&record::Ended {
+            token: end.token,
+            waited: end.waited,
+            ran: end.ran,
+            exit: end.code,
+            cause: end.cause.as_deref(),
+        });
+    }
     if let Some(message) = &end.message {
         eprintln!("withlock: {message}");
     }
@@ -206,6 +208,10 @@ struct End {
     token: Option<u64>,
     waited: Duration,
     ran: Option<Duration>,
+    /// Nothing is said of it, not even the `--log-format` record: a busy
+    /// lock with `-q`, so that the hosts that lose a cron job's lock
+    /// send no mail.
+    silent: bool,
 }
 
 impl End {
@@ -217,6 +223,7 @@ impl End {
             token: None,
             waited: waited.elapsed(),
             ran: None,
+            silent: false,
         }
     }
 
@@ -230,7 +237,8 @@ impl End {
     }
 
     /// The key was found held until the caller gave up after `waited`:
-    /// `busy_exit`, said on stderr unless `quiet`.
+    /// `busy_exit`, said on stderr (and in the `--log-format` record)
+    /// unless `quiet`.
     fn busy(key: &str, holder: Option<&str>, waited: Instant, busy_exit: u8, quiet: bool) -> Self {
         let holder = holder
             .map(|node| format!(" (held by {})", Shown(node)))
@@ -244,6 +252,7 @@ impl End {
                 )
             }),
             cause: Some("busy".to_owned()),
+            silent: quiet,
             ..Self::new(waited)
         }
     }
@@ -418,6 +427,7 @@ fn lost(key: &str, cause: &lock_core::LossCause, done: Option<Done>, waited: Ins
         token,
         waited,
         ran,
+        silent: false,
     }
 }
 

@@ -58,6 +58,86 @@ impl Scheme {
     }
 }
 
+/// The query parameters the redis crate reads from a `redis://` or
+/// `rediss://` URL (its `IntoConnectionInfo` docs): any other it ignores.
+const REDIS_PARAMETERS: &[&str] = &["protocol"];
+
+/// The query parameters sqlx reads from a `postgres://` URL
+/// (`PgConnectOptions`' docs), spellings it accepts included, besides
+/// `options[NAME]`: any other it ignores, with a log line nobody sees.
+const POSTGRES_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// `url` without its query, and the query (after the first `?` past the
+/// user and password), empty if none. A password may hold `?`; the hosts
+/// never do.
+fn split_query(url: &str) -> (&str, &str) {
+    let hosts_at = url.rfind('@').map_or(0, |at| at + 1);
+    match url[hosts_at..].find('?') {
+        Some(mark) => (&url[..hosts_at + mark], &url[hosts_at + mark + 1..]),
+        None => (url, ""),
+    }
+}
+
+/// The query of `url` up to a `#`, empty if none.
+fn query_of(url: &str) -> &str {
+    let (_, query) = split_query(url);
+    query.split_once('#').map_or(query, |(query, _)| query)
+}
+
+/// Refuses a query parameter of `url` that its driver would ignore
+/// (`known`, and for PostgreSQL `options[NAME]`), naming it, so that a
+/// misspelt `?pasword=` is not silently dropped. The names are decoded as
+/// the drivers decode them (`+` a space, `%XX` escapes). A name that does
+/// not look like one (it may be part of a password with an unescaped `?`)
+/// is not shown.
+fn check_query(url: &str, what: &str, known: &[&str]) -> Result<(), Failure> {
+    let postgres = known == POSTGRES_PARAMETERS;
+    for pair in query_of(url).split('&').filter(|p| !p.is_empty()) {
+        let raw = pair.split_once('=').map_or(pair, |(name, _)| name);
+        let name = percent_decode(&raw.replace('+', " ")).unwrap_or_else(|_| raw.to_owned());
+        let is_known = known.contains(&name.as_str())
+            || (postgres && name.starts_with("options[") && name.ends_with(']'));
+        if is_known {
+            continue;
+        }
+        let plain = !name.is_empty()
+            && name.len() <= 40
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-.[]".contains(c));
+        let shown = if plain {
+            format!("the query parameter {name:?}")
+        } else {
+            "a query parameter (not shown: it may be part of a password; percent-encode a `?` in one)"
+                .to_owned()
+        };
+        return Err(Failure::usage(format!(
+            "--url: {shown} is not one the {what} driver reads, and it would be ignored; it takes {}",
+            known.join(", ")
+        )));
+    }
+    Ok(())
+}
+
 /// The nodes of a `redis+cluster://` or `redis+sentinel://` URL, each as a
 /// `redis://` (or `rediss://`) URL with the URL's user and password, and
 /// the path after the hosts (the Sentinel master name), percent-decoded.
@@ -165,22 +245,33 @@ impl Store {
         let bad_url =
             |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", ErrorChain(&e)));
         match Scheme::of(&args.url)? {
-            Scheme::Redis => setup::redis_server(&args.url, redis_config())
-                .await
-                .map(|b| Self::new("Redis", b)),
+            Scheme::Redis => {
+                check_query(&args.url, "Redis", REDIS_PARAMETERS)?;
+                setup::redis_server(&args.url, redis_config())
+                    .await
+                    .map(|b| Self::new("Redis", b))
+            }
             Scheme::RedisCluster { tls } => {
-                let (nodes, path) = split_hosts(&args.url, if tls { "rediss" } else { "redis" })?;
+                check_query(&args.url, "Redis Cluster", REDIS_PARAMETERS)?;
+                // The query is every node's, not the last host's.
+                let (url, query) = split_query(&args.url);
+                let (nodes, path) = split_hosts(url, if tls { "rediss" } else { "redis" })?;
                 if !path.is_empty() {
                     return Err(Failure::usage(
                         "--url: a redis+cluster:// URL has no path (no database number on a cluster)",
                     ));
                 }
+                let nodes: Vec<String> = if query.is_empty() {
+                    nodes
+                } else {
+                    nodes.into_iter().map(|n| format!("{n}/?{query}")).collect()
+                };
                 RedisClusterBackend::from_urls_with(nodes, redis_config())
                     .map(|b| Self::new("Redis Cluster", b))
                     .map_err(bad_url)
             }
             Scheme::RedisSentinel => {
-                let (url, query) = args.url.split_once('?').unwrap_or((&args.url, ""));
+                let (url, query) = split_query(&args.url);
                 let (sentinels, master) = split_hosts(url, "redis")?;
                 if master.is_empty() || master.contains('/') {
                     return Err(Failure::usage(
@@ -196,6 +287,7 @@ impl Store {
                     .map_err(bad_url)
             }
             Scheme::Postgres => {
+                check_query(&args.url, "PostgreSQL", POSTGRES_PARAMETERS)?;
                 let options = args.url.parse::<PgConnectOptions>().map_err(|e| {
                     Failure::usage(format!(
                         "--url is not a valid PostgreSQL URL: {}",
@@ -290,6 +382,39 @@ mod tests {
         assert!(failure.message.contains("\"mysql\""));
         assert!(!failure.message.contains("secret"));
         assert!(Scheme::of("127.0.0.1:6379").is_err());
+    }
+
+    #[test]
+    fn query_parameters_the_driver_ignores_are_refused() {
+        let redis = |url| check_query(url, "Redis", REDIS_PARAMETERS);
+        let postgres = |url| check_query(url, "PostgreSQL", POSTGRES_PARAMETERS);
+        assert!(redis("redis://h:1").is_ok());
+        assert!(redis("redis://h:1/2?protocol=resp3").is_ok());
+        assert!(redis("rediss://h:1/?protocol=3#insecure").is_ok());
+        let refused = redis("redis://:secret@h:1/?pasword=x").unwrap_err();
+        assert_eq!(refused.code, crate::exit::USAGE);
+        assert!(
+            refused.message.contains("\"pasword\""),
+            "{}",
+            refused.message
+        );
+        assert!(!refused.message.contains("secret"), "{}", refused.message);
+        assert!(postgres("postgres://u@h/db?sslmode=require&application_name=x").is_ok());
+        assert!(
+            postgres("postgres://u@h/db?options[statement_timeout]=5s&ssl-mode=disable").is_ok()
+        );
+        assert!(postgres("postgres://u@h/db?application%5Fname=x").is_ok());
+        assert!(postgres("postgres://u@h/db?sslmode=require&pasword=x").is_err());
+        assert!(postgres("postgres://u@h/db?protocol=resp3").is_err());
+        // A password with `?` is no query; a name that does not look like
+        // one is not shown.
+        assert!(redis("redis://:se?cr&et@h:1").is_ok());
+        let hidden = redis("redis://h:1?a%20b%21=1").unwrap_err();
+        assert!(!hidden.message.contains("a b!"), "{}", hidden.message);
+        assert_eq!(
+            split_query("redis://:p?w@h:1/?protocol=3"),
+            ("redis://:p?w@h:1/", "protocol=3")
+        );
     }
 
     #[test]

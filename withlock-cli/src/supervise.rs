@@ -28,6 +28,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::time::Instant;
 
 use crate::args::SuperviseArgs;
+use crate::child::check_interpreter;
 use crate::exit;
 use crate::group;
 
@@ -87,10 +88,17 @@ async fn supervise(args: SuperviseArgs) -> u8 {
     {
         Ok(child) => child,
         Err(error) => {
-            eprintln!(
-                "withlock: cannot run {}: {error}",
-                std::path::Path::new(&args.arg0).display()
-            );
+            let shown = std::path::Path::new(&args.arg0).display();
+            // `run` checked the interpreter; one removed since is named
+            // here rather than reported as the script's own absence.
+            if let Err(bad) = check_interpreter(
+                std::path::Path::new(&program),
+                std::env::var_os("PATH").as_deref(),
+            ) {
+                eprintln!("withlock: cannot run {shown}: it {bad}");
+                return bad.code();
+            }
+            eprintln!("withlock: cannot run {shown}: {error}");
             return match error.kind() {
                 std::io::ErrorKind::NotFound => exit::NOT_FOUND,
                 _ => exit::CANNOT_EXECUTE,

@@ -119,6 +119,64 @@ async fn a_missing_command_is_named_before_the_lock_is_taken(store: Store) {
     held.release().await.unwrap();
 }
 
+/// A script whose `#!` line names an interpreter that does not exist (a
+/// `#!/bin/sh` line with Windows line ends names `/bin/sh\r`) exits 126
+/// naming the interpreter, not "No such file or directory" for a file
+/// that exists; `#!/usr/bin/env NAME` with `NAME` not on `PATH` exits 127
+/// naming it. Both are found out before the lock is taken: no fencing
+/// token is drawn, no PostgreSQL row is made. A good script runs.
+async fn a_bad_interpreter_is_named_before_the_lock_is_taken(store: Store) {
+    use std::os::unix::fs::PermissionsExt;
+    let key = store.key("bad-interpreter");
+    let scratch = Scratch::new();
+    let script = |name: &str, text: &str| {
+        let path = scratch.path(name);
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    };
+    let crlf = script("crlf.sh", "#!/bin/sh\r\ntrue\r\n");
+    let missing = script("missing.sh", "#! /nonexistent/withlock-sh -e\ntrue\n");
+    let env = script(
+        "env.sh",
+        "#!/usr/bin/env withlock-test-no-such-interpreter\ntrue\n",
+    );
+    for (command, expected, names) in [
+        (crlf.as_str(), 126, r#""/bin/sh\r""#),
+        (missing.as_str(), 126, "\"/nonexistent/withlock-sh\""),
+        (env.as_str(), 127, "withlock-test-no-such-interpreter"),
+    ] {
+        let output = finish(
+            store
+                .cmd("run")
+                .args(["--no-wait", "--key", &key, "--", command]),
+        )
+        .await;
+        let message = stderr(&output);
+        assert_eq!(code(&output), expected, "{command}: {message}");
+        assert!(message.contains(command), "{command}: {message}");
+        assert!(message.contains(names), "should name {names}: {message}");
+        assert!(message.contains("did not run"), "{message}");
+        assert!(!message.contains("No such file"), "{message}");
+        assert_eq!(message.lines().count(), 1, "{message}");
+    }
+    assert!(
+        stderr(&finish(store.cmd("run").args(["--key", &key, "--", &crlf])).await)
+            .contains("Windows line ends"),
+        "the \\r is explained"
+    );
+    assert_eq!(
+        store.stored(&key).await,
+        common::Stored {
+            owner: None,
+            fencing_token: None
+        },
+        "the lock was taken"
+    );
+    let good = script("good.sh", "#!/bin/sh\nexit 5\n");
+    run_expecting(store.cmd("run").args(["--key", &key, "--", &good]), 5).await;
+}
+
 /// The command's environment has the lock's key and token but not
 /// `WITHLOCK_URL`, which may hold a password.
 async fn the_url_is_not_passed_to_the_command(store: Store) {
@@ -144,5 +202,6 @@ on_every_backend!(
     death_by_signal_is_128_plus_the_signal,
     environment_carries_the_lock,
     a_missing_command_is_named_before_the_lock_is_taken,
+    a_bad_interpreter_is_named_before_the_lock_is_taken,
     the_url_is_not_passed_to_the_command,
 );

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{code, finish, stderr, stdout, Scratch, Store};
+use common::{code, finish, stderr, stdout, withlock, Scratch, Store};
 
 async fn quiet_says_nothing_when_busy(store: Store) {
     let key = store.key("quiet");
@@ -143,8 +143,120 @@ async fn h7_lock_at_least_runs_a_short_job_once_per_period(store: Store) {
     );
 }
 
+/// `-q` silences the `--log-format` record of a busy run too (its end
+/// line, `... did not run, exit 0, busy`), so that the cron recipe's
+/// losing hosts print nothing and cron sends no mail; a run that ran the
+/// command is still recorded with `-q`.
+async fn quiet_busy_runs_leave_no_record(store: Store) {
+    let key = store.key("quiet-record");
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let scratch = Scratch::new();
+    let ran = scratch.path("ran").display().to_string();
+    for format in ["text", "json"] {
+        let output = finish(store.cmd("run").args([
+            "-q",
+            "--busy-exit",
+            "0",
+            "--no-wait",
+            "--log-format",
+            format,
+            "--key",
+            &key,
+            "--",
+            "touch",
+            &ran,
+        ]))
+        .await;
+        assert_eq!(code(&output), 0, "{}", stderr(&output));
+        assert_eq!(stderr(&output), "", "-q --log-format {format} printed");
+        // Without -q the record says busy.
+        let output = finish(store.cmd("run").args([
+            "--busy-exit",
+            "0",
+            "--no-wait",
+            "--log-format",
+            format,
+            "--key",
+            &key,
+            "--",
+            "touch",
+            &ran,
+        ]))
+        .await;
+        assert!(stderr(&output).contains("busy"), "{}", stderr(&output));
+    }
+    assert!(!scratch.path("ran").exists(), "the command ran");
+    held.release().await.unwrap();
+    let output = finish(store.cmd("run").args([
+        "-q",
+        "--log-format",
+        "text",
+        "--key",
+        &key,
+        "--",
+        "touch",
+        &ran,
+    ]))
+    .await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let text = stderr(&output);
+    assert!(
+        text.contains(" started on host ") && text.contains(" ended on host "),
+        "{text}"
+    );
+}
+
+/// The cron line of the README, run as written (its binary aside) on a
+/// host that loses the lock: exit 0 and not a byte on stdout or stderr,
+/// so cron sends no mail. Its binary is a full path, as cron's default
+/// `PATH` (`/usr/bin:/bin`) has no `~/.cargo/bin`.
+async fn the_readme_cron_line_is_silent_on_a_losing_host(store: Store) {
+    let readme = include_str!("../README.md");
+    let line = readme
+        .lines()
+        .find(|l| l.contains(" run ") && l.contains("--key nightly-import"))
+        .expect("the README's cron line");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    // minute hour day month weekday user, then the command.
+    let command = &words[6..];
+    assert!(
+        command[0].starts_with('/') && command[0].ends_with("/withlock"),
+        "the cron line should call withlock by its full path: {line}"
+    );
+    let key = store.key("nightly-import");
+    let (_locker, mut held) = store.hold(&key, "other-host").await;
+    let scratch = Scratch::new();
+    let ran = scratch.path("ran").display().to_string();
+    let end = command.iter().position(|w| *w == "--").unwrap();
+    let args: Vec<&str> = command[1..end]
+        .iter()
+        .map(|w| {
+            if *w == "nightly-import" {
+                key.as_str()
+            } else {
+                w
+            }
+        })
+        .collect();
+    let url_file = scratch.path("url");
+    std::fs::write(&url_file, format!("{}\n", store.args()[1])).unwrap();
+    let mut run = withlock(args);
+    run.env("WITHLOCK_URL_FILE", &url_file);
+    if let Some(schema) = store.args().get(3) {
+        run.env("WITHLOCK_PG_SCHEMA", schema);
+    }
+    let output = finish(run.args(["--", "touch", &ran])).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert_eq!(stderr(&output), "", "a losing host printed on stderr");
+    assert_eq!(stdout(&output), "");
+    assert!(!scratch.path("ran").exists(), "the command ran");
+    held.release().await.unwrap();
+}
+
 on_every_backend!(
     quiet_says_nothing_when_busy,
     busy_exit_sets_the_code_of_a_busy_lock,
     h7_lock_at_least_runs_a_short_job_once_per_period,
+    quiet_busy_runs_leave_no_record,
+    the_readme_cron_line_is_silent_on_a_losing_host,
 );

@@ -31,6 +31,8 @@ async fn a_command_without_double_dash_is_refused() {
     refused(&["run", "--url", URL, "--key", "k", "touch", &ran], "`--`").await;
     assert!(!scratch.path("ran").exists());
     refused(&["run", "--url", URL, "--key", "k", "--"], "CMD").await;
+    // An empty command is a bad argument (64), not a command not found.
+    refused(&["run", "--url", URL, "--key", "k", "--", ""], "empty").await;
 }
 
 #[tokio::test]
@@ -125,8 +127,69 @@ async fn bad_new_options_are_refused() {
     refused(&run(&["--busy-exit", "x"]), "--busy-exit").await;
     refused(&run(&["--max-runtime", "0s"]), "--max-runtime").await;
     refused(&run(&["--log-format", "xml"]), "--log-format").await;
-    refused(&run(&["--table", "a-b"]), "--table").await;
-    refused(&run(&["--schema", "x\"y"]), "--schema").await;
+    let pg = |option: &'static str, value: &'static str| {
+        vec![
+            "run", "--url", PG_URL, option, value, "--key", "k", "--", "true",
+        ]
+    };
+    refused(&pg("--table", "a-b"), "plain identifier").await;
+    refused(&pg("--schema", "x\"y"), "plain identifier").await;
+}
+
+const PG_URL: &str = "postgres://root@127.0.0.1:1/test";
+
+/// Options meant for another backend than the URL's would be ignored:
+/// given on the command line they are refused (64), from the environment
+/// (a host may export one set for jobs on several backends) they are
+/// warned about, except with `run -q`.
+#[tokio::test]
+async fn options_for_another_backend_are_refused_or_warned() {
+    let etcd = "etcd://127.0.0.1:1";
+    refused(
+        &[
+            "run", "--url", URL, "--schema", "s", "--key", "k", "--", "true",
+        ],
+        "--schema",
+    )
+    .await;
+    refused(&["list", "--url", URL, "--table", "t"], "--table").await;
+    refused(&["list", "--url", etcd, "--schema", "public"], "--schema").await;
+    refused(
+        &["status", "--url", PG_URL, "--redis-prefix", "p:", "k"],
+        "--redis-prefix",
+    )
+    .await;
+    refused(
+        &["list", "--url", etcd, "--redis-prefix", "p:"],
+        "--redis-prefix",
+    )
+    .await;
+    let cluster = "redis+cluster://127.0.0.1:1";
+    refused(&["list", "--url", cluster, "--table", "t"], "--table").await;
+
+    for (url, variable) in [
+        (PG_URL, "WITHLOCK_REDIS_PREFIX"),
+        (URL, "WITHLOCK_PG_SCHEMA"),
+        (URL, "WITHLOCK_PG_TABLE"),
+    ] {
+        let output = finish(withlock(["list", "--url", url]).env(variable, "x")).await;
+        let message = stderr(&output);
+        assert_eq!(code(&output), 69, "{variable}: {message}");
+        assert!(
+            message.contains(&format!("warning: {variable} is set but ignored")),
+            "{message}"
+        );
+        let output = finish(
+            withlock(["run", "-q", "--url", url, "--key", "k", "--", "true"]).env(variable, "x"),
+        )
+        .await;
+        let message = stderr(&output);
+        assert_eq!(code(&output), 69, "{variable}: {message}");
+        assert!(!message.contains("warning"), "-q: {message}");
+    }
+    // The backend's own options are quiet.
+    let output = finish(withlock(["list", "--url", URL]).env("WITHLOCK_REDIS_PREFIX", "p:")).await;
+    assert!(!stderr(&output).contains("warning"), "{}", stderr(&output));
 }
 
 #[tokio::test]
@@ -163,6 +226,16 @@ async fn url_files_are_checked() {
 #[tokio::test]
 async fn release_without_force_refuses() {
     refused(&["release", "--url", URL, "k"], "--force").await;
+    // \[L5\] The holder hears a force release within about a second: the
+    // refusal says what the release would do to it, not that it "would
+    // go on without the lock until its next extension".
+    let output = finish(&mut withlock(["release", "--url", URL, "k"])).await;
+    let message = stderr(&output);
+    assert!(!message.contains("next extension"), "{message}");
+    assert!(
+        message.contains("within about a second") && message.contains("79"),
+        "{message}"
+    );
 }
 
 #[tokio::test]

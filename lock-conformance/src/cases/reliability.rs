@@ -67,7 +67,7 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
             }
             for f in &chaos_faults {
                 f.hang(Step::Extend, true);
-                if round % 2 == 0 {
+                if round.is_multiple_of(2) {
                     f.fail_next(Step::TryAcquire, 2);
                     f.fail_next(Step::Release, 1);
                 }
@@ -91,7 +91,7 @@ pub async fn rel_exclusion_holds_under_faults(factory: Arc<dyn BackendFactory>) 
                     j += 1;
                     // Every third section holds for twice the ttl and so
                     // outlives a hang; the others for up to half the ttl.
-                    let long = (i as u64 + w + j) % 3 == 0;
+                    let long = (i as u64 + w + j).is_multiple_of(3);
                     let hold = if long {
                         short_ttl * 2
                     } else {

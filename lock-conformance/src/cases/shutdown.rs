@@ -74,6 +74,58 @@ pub async fn s1_shutdown_waits_then_releases(factory: Arc<dyn BackendFactory>) {
     assert_eq!(a.held(), 0);
 }
 
+/// \[S1\] An acquisition attempt in flight when shutdown begins is owed:
+/// shutdown waits for its answer (within the release timeout) and frees
+/// what it took, so the key is free when shutdown returns, whether the
+/// call that made the attempt still waits or was dropped; the callback
+/// never runs \[S2\].
+pub async fn s1_shutdown_frees_what_attempts_in_flight_took(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    for dropped in [false, true] {
+        let key = ns.key(if dropped {
+            "s1-attempt-dropped"
+        } else {
+            "s1-attempt"
+        });
+        let faulty = FaultInjector::new(Arc::clone(&backend));
+        let a = Locker::with_options(
+            faulty.clone(),
+            LockerOptions::default()
+                .node_id("a")
+                .release_timeout(Duration::from_secs(10)),
+        )
+        .unwrap();
+        // The store takes the key at once; the answer reaches the node
+        // long after, as from a store paused or a network slow on the way
+        // back.
+        faulty.delay_answers(Step::TryAcquire, 1, Duration::from_millis(300));
+        let ran = Arc::new(AtomicBool::new(false));
+        let (l, k, r) = (a.clone(), key.clone(), Arc::clone(&ran));
+        let call = tokio::spawn(async move {
+            l.with_lock(&k, move |_| async move { r.store(true, Ordering::SeqCst) })
+                .await
+        });
+        within(
+            SOON,
+            "the store took the key for the attempt",
+            faulty.applied_late(Step::TryAcquire, 1),
+        )
+        .await;
+        if dropped {
+            call.abort();
+            let _ = call.await;
+        }
+        let report = within(SOON, "shutdown", a.shutdown(Duration::ZERO)).await;
+        assert_eq!(
+            report.release_failures, 0,
+            "dropped: {dropped}: the attempt's key was freed: {report:?}"
+        );
+        assert_free(&backend, &key, "right after shutdown returned").await;
+        assert!(!ran.load(Ordering::SeqCst), "the callback never runs [S2]");
+    }
+}
+
 /// \[S2\] After shutdown, `with_lock` on that node never settles and never
 /// runs its callback; calls that were waiting likewise.
 pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactory>) {

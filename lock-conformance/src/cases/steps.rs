@@ -1,5 +1,6 @@
 //! The backend steps on their own, as the trait's contract states them.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -199,3 +200,64 @@ pub async fn step_release_notifications_as_declared(factory: Arc<dyn BackendFact
         "a release wakes watches of its own key only"
     );
 }
+
+/// A wrapper made with `forward_lock_backend!` that writes out
+/// `try_acquire` and `release` sees every attempt and every release the
+/// driver makes: the backend's fast paths (`try_acquire_now`,
+/// `release_now`) are not forwarded past the steps written out.
+pub async fn step_a_wrapper_sees_every_attempt_and_release(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let counted = Arc::new(Counted {
+        backend,
+        attempts: AtomicUsize::new(0),
+        releases: AtomicUsize::new(0),
+    });
+    let locker = lock_core::Locker::new(Arc::clone(&counted));
+    for i in 0..10 {
+        let key = ns.key(&format!("step-wrapped-{i}"));
+        within(SOON, "a call", locker.with_lock(&key, |_| async {}))
+            .await
+            .unwrap();
+    }
+    let mut handle = locker.handle(&ns.key("step-wrapped-handle"), TTL).unwrap();
+    assert!(within(SOON, "a handle's attempt", handle.acquire())
+        .await
+        .unwrap());
+    assert!(within(SOON, "a handle's release", handle.release())
+        .await
+        .unwrap());
+    assert_eq!(
+        (
+            counted.attempts.load(Ordering::SeqCst),
+            counted.releases.load(Ordering::SeqCst)
+        ),
+        (11, 11),
+        "every attempt and every release went through the wrapper's steps"
+    );
+}
+
+/// Counts the two steps it writes out; forwards the others.
+#[derive(Debug)]
+struct Counted {
+    backend: Arc<lock_core::DynLockBackend>,
+    attempts: AtomicUsize,
+    releases: AtomicUsize,
+}
+
+lock_core::forward_lock_backend!(Counted => backend {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, lock_core::BackendError> {
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        self.backend.try_acquire(key, owner, ttl).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, lock_core::BackendError> {
+        self.releases.fetch_add(1, Ordering::SeqCst);
+        self.backend.release(lease).await
+    }
+});

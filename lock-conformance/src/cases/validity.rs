@@ -37,14 +37,21 @@ pub async fn o6_stalled_holder_is_told_lost(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let ns = Namespace::new();
     let key = ns.key("o6-stall");
-    let a = node(Arc::clone(&backend), "a");
+    // Node A's process stalls (a GC pause, a stopped process): its store
+    // is no longer extended, as its extender would stop with it (the
+    // extender runs on the process's background runtime, which a real
+    // stall stops too, but a blocked thread does not). The extensions
+    // still answer "extended", so only the release can tell.
+    let stalled_store = FaultInjector::new(Arc::clone(&backend));
+    let a = node(stalled_store.clone(), "a");
     let b = node(Arc::clone(&backend), "b");
     let (b_holds_tx, b_holds_rx) = std::sync::mpsc::channel::<()>();
     let (a_done_tx, a_done_rx) = oneshot::channel::<()>();
     let (ctx_tx, ctx_rx) = oneshot::channel::<LockContext>();
+    stalled_store.skip_extensions(true);
 
     // Node A runs on a one-thread runtime of its own, which its callback
-    // blocks: its extender cannot run either. The runtime then runs on
+    // blocks. The runtime then runs on
     // until the case ends: connections it opened may be in the backend's
     // pool, and work only while the runtime that opened them drives them.
     let (l, k) = (a.clone(), key.clone());

@@ -16,7 +16,7 @@ use crate::held::{HeldLock, Holder};
 use crate::locker::{Inner, Locker};
 use crate::metrics::{Acquisition, Step, Stopwatch};
 use crate::notify::ReleaseWatch;
-use crate::registry::{Ending, Registry};
+use crate::registry::{AttemptInFlight, Ending, Registry};
 use crate::task::{finish_even_if_dropped, never};
 
 impl Inner {
@@ -30,13 +30,17 @@ impl Inner {
     /// `sent_at` is the clock read just before; the second value says
     /// whether the backend answered at once, without awaiting
     /// ([`LockBackend::try_acquire_now`](crate::LockBackend::try_acquire_now)).
+    /// The third counts the attempt in flight for shutdown \[S1\]: the
+    /// caller drops it once an acquired lease is in the registry or owed
+    /// a release.
     pub(crate) async fn attempt(
         &self,
         key: &Arc<str>,
         owner: &OwnerToken,
         ttl: Duration,
         sent_at: Instant,
-    ) -> (Result<AcquireOutcome, BackendError>, bool) {
+    ) -> (Result<AcquireOutcome, BackendError>, bool, AttemptInFlight) {
+        let in_flight = self.registry.attempt_started();
         if let Some(answer) = self
             .registry
             .backend
@@ -45,9 +49,10 @@ impl Inner {
             if let Err(error) = &answer {
                 self.failed(key, owner, ttl, error);
             }
-            return (answer, true);
+            return (answer, true, in_flight);
         }
-        (self.attempt_in_flight(key, owner, ttl).await, false)
+        let (answer, in_flight) = self.attempt_in_flight(key, owner, ttl, in_flight).await;
+        (answer, false, in_flight)
     }
 
     /// Counts a failed attempt, and has the key cleaned up if the attempt
@@ -67,14 +72,23 @@ impl Inner {
         key: &Arc<str>,
         owner: &OwnerToken,
         ttl: Duration,
-    ) -> Result<AcquireOutcome, BackendError> {
+        in_flight: AttemptInFlight,
+    ) -> (Result<AcquireOutcome, BackendError>, AttemptInFlight) {
         let (registry, k, o) = (Arc::clone(&self.registry), Arc::clone(key), owner.clone());
-        // The step hands what it owns back with its answer, for the orphan.
+        // The step hands what it owns back with its answer, for the orphan;
+        // the attempt stays counted in flight until the orphan has settled
+        // it \[S1\].
         let step = async move {
             let answer = registry.backend.try_acquire(&k, &o, ttl).await;
-            (answer, registry, k, o)
+            (answer, registry, k, o, in_flight)
         };
-        let orphan = move |(answer, registry, k, o): (_, Arc<Registry>, Arc<str>, _)| match answer {
+        let orphan = move |(answer, registry, k, o, _in_flight): (
+            _,
+            Arc<Registry>,
+            Arc<str>,
+            _,
+            AttemptInFlight,
+        )| match answer {
             Ok(AcquireOutcome::Acquired { fencing_token }) => {
                 registry
                     .owe_release(Lease::new(k, o, fencing_token))
@@ -89,11 +103,11 @@ impl Inner {
                 }
             }
         };
-        let (answer, ..) = finish_even_if_dropped(step, orphan).await;
+        let (answer, .., in_flight) = finish_even_if_dropped(&self.registry, step, orphan).await;
         if let Err(error) = &answer {
             self.failed(key, owner, ttl, error);
         }
-        answer
+        (answer, in_flight)
     }
 
     /// A new record of a callback's lock just taken under `owner`.
@@ -122,6 +136,8 @@ impl Inner {
     /// failed. A lock taken after shutdown began is released too, and the
     /// call never settles \[S2\]. An answer given `at_once` came at
     /// `sent_at`: the backend's expiry counts from the same clock reading.
+    /// The attempt stops counting in flight once the lock is held or its
+    /// release owed \[S1\].
     pub(crate) async fn hold(
         &self,
         lease: Lease,
@@ -129,10 +145,11 @@ impl Inner {
         sent_at: Instant,
         at_once: bool,
         holder: Holder,
+        in_flight: AttemptInFlight,
     ) -> Result<(u64, Arc<HeldLock>), BackendError> {
         let meter = self.registry.meter.clone();
         let held = Arc::new(HeldLock::new(self.id, lease, ttl, sent_at, holder, meter));
-        self.hold_record(held, sent_at, at_once).await
+        self.hold_record(held, sent_at, at_once, in_flight).await
     }
 
     /// As [`hold`](Self::hold), for a record already made.
@@ -141,6 +158,7 @@ impl Inner {
         held: Arc<HeldLock>,
         sent_at: Instant,
         at_once: bool,
+        in_flight: AttemptInFlight,
     ) -> Result<(u64, Arc<HeldLock>), BackendError> {
         let answered_at = if at_once { sent_at } else { Instant::now() };
         if !held.is_valid_at(answered_at) {
@@ -151,6 +169,7 @@ impl Inner {
             self.registry
                 .owe_release(held.lease.clone())
                 .in_background();
+            drop(in_flight);
             return Err(BackendError::message(
                 BackendErrorKind::Timeout,
                 "the acquisition was answered after the lease's validity had run out",
@@ -158,6 +177,7 @@ impl Inner {
         }
         match self.registry.insert(Arc::clone(&held)) {
             Some(id) => {
+                drop(in_flight);
                 tracing::debug!(fencing_token = held.lease.fencing_token(), "acquired");
                 Ok((id, held))
             }
@@ -165,6 +185,7 @@ impl Inner {
                 self.registry
                     .owe_release(held.lease.clone())
                     .in_background();
+                drop(in_flight);
                 never().await
             }
         }
@@ -283,7 +304,7 @@ impl<'a> Holding<'a> {
             at_least,
             ends,
         );
-        let answer = finish_even_if_dropped(step, |_| {}).await;
+        let answer = finish_even_if_dropped(&inner.registry, step, |_| {}).await;
         (Some(answer), held, pass)
     }
 
@@ -415,7 +436,10 @@ impl Locker {
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
                 let slot_due = sent_at >= *next_slot;
-                let (answer, at_once) = inner.attempt(key, owner, config.ttl, sent_at).await;
+                let (answer, at_once, in_flight) =
+                    inner.attempt(key, owner, config.ttl, sent_at).await;
+                // Settled when the lock is held or owed a release, or below.
+                let mut in_flight = Some(in_flight);
                 if let Some(woken) = woken.take() {
                     inner.registry.meter.notification_lag(key, &woken);
                 }
@@ -433,7 +457,8 @@ impl Locker {
                             }
                             Token::Fresh(owner) => new_record(owner),
                         };
-                        match inner.hold_record(held, sent_at, at_once).await {
+                        let in_flight = in_flight.take().expect("counted once");
+                        match inner.hold_record(held, sent_at, at_once, in_flight).await {
                             Ok((id, held)) => {
                                 return Ok(Holding {
                                     release_on_drop: ReleaseOnDrop {
@@ -464,6 +489,8 @@ impl Locker {
                         false
                     }
                 };
+                // Settled: busy, or failed with its clean-up pending.
+                drop(in_flight);
                 if slot_due {
                     counted += 1;
                     if exhausted(counted) {

@@ -83,12 +83,14 @@ impl LockHandle {
         }
         let owner = OwnerToken::new(&inner.node_id);
         let sent_at = tokio::time::Instant::now();
-        let (answer, at_once) = inner.attempt(&self.key, &owner, self.ttl, sent_at).await;
+        // Counted in flight until the lease is held or owed a release [S1].
+        let (answer, at_once, in_flight) =
+            inner.attempt(&self.key, &owner, self.ttl, sent_at).await;
         match answer {
             Ok(AcquireOutcome::Acquired { fencing_token }) => {
                 let lease = Lease::new(Arc::clone(&self.key), owner, fencing_token);
                 match inner
-                    .hold(lease, self.ttl, sent_at, at_once, Holder::Handle)
+                    .hold(lease, self.ttl, sent_at, at_once, Holder::Handle, in_flight)
                     .await
                 {
                     Ok(held) => {
@@ -167,7 +169,7 @@ impl LockHandle {
             return Ok(false); // released by shutdown
         };
         let sent_at = tokio::time::Instant::now();
-        let answer = finish_even_if_dropped(owed.send(), |_| {}).await;
+        let answer = finish_even_if_dropped(registry, owed.send(), |_| {}).await;
         // As `with_lock` tells them apart [O6].
         registry::settle_release(&held, Some(&answer), sent_at);
         match answer {

@@ -46,10 +46,12 @@ pub struct ShutdownReport {
     pub callbacks_finished: bool,
     /// Locks still held after the grace period, released by shutdown.
     pub released: usize,
-    /// Releases shutdown waited for (its own, and those of callbacks,
-    /// handles and drops still in flight) that failed or were not answered
-    /// within [`LockerOptions::release_timeout`](crate::LockerOptions::release_timeout);
-    /// these keys expire with their ttl.
+    /// Releases shutdown waited for (its own, those of callbacks, handles
+    /// and drops still in flight, and those of what acquisition attempts in
+    /// flight took or may have taken) that failed or were not answered
+    /// within [`LockerOptions::release_timeout`](crate::LockerOptions::release_timeout),
+    /// and attempts still unanswered by then \[S1\]; these keys expire with
+    /// their ttl.
     pub release_failures: usize,
 }
 
@@ -65,6 +67,11 @@ impl Locker {
     ///   the store or has failed: the locks shutdown released, and those of
     ///   callbacks that finished, handles, `Mutex`es and drops whose
     ///   releases were still in flight.
+    /// - Acquisition attempts in flight are owed too: shutdown waits for
+    ///   their answers (within the release timeout) and frees whatever they
+    ///   took; an attempt still unanswered by then, and a key it may have
+    ///   taken that could not be freed, count in
+    ///   [`ShutdownReport::release_failures`] and expire with their ttl.
     /// - From the moment this is called, `with_lock` on this node never
     ///   settles and never runs its callback, nor do calls already waiting
     ///   \[S2\]; handles and `Mutex`es cannot acquire either.
@@ -86,15 +93,22 @@ impl Locker {
             .await
             .is_ok();
         let deadline = Instant::now() + inner.options.release_timeout;
+        // [S1] Attempts in flight settle first: what they took is then held
+        // (and released below), owed a release, or pending clean-up.
+        let _ = tokio::time::timeout_at(deadline, registry.attempts_done()).await;
+        let unsettled_attempts = registry.attempts_in_flight();
         let drained = registry.end_all_for_shutdown();
         let released = drained.len();
         let own = futures_util::future::join_all(drained.into_iter().map(|r| r.send()));
-        let clean_up = registry.cleanup.final_pass();
         // A release not answered by the deadline is dropped, given up.
-        let _ = tokio::time::timeout_at(deadline, futures_util::future::join(own, clean_up)).await;
+        let (_, cleanup_failures) = futures_util::future::join(
+            tokio::time::timeout_at(deadline, own),
+            registry.cleanup.final_pass(deadline),
+        )
+        .await;
         let _ = tokio::time::timeout_at(deadline, registry.releases_done()).await;
         let (unanswered, failed) = registry.release_counts();
-        let release_failures = unanswered + failed;
+        let release_failures = unanswered + failed + unsettled_attempts + cleanup_failures;
         tracing::info!(
             released,
             release_failures,

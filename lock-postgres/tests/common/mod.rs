@@ -1,0 +1,83 @@
+//! What several test files share.
+
+// Each test file uses its own part of this module.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use lock_core::{AcquireOutcome, BackendError, OwnerToken, ReleaseOutcome};
+use lock_postgres::testing::TestBackend;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// A test backend that tells how many attempts on each key were answered
+/// busy. A waiter's second busy answer comes after its release watch is
+/// in place (the driver watches after the first, then tries again at
+/// once), so from then on only a notification wakes it before its retry
+/// delay.
+#[derive(Debug)]
+pub(crate) struct Observed {
+    pub(crate) inner: TestBackend,
+    busy: watch::Sender<HashMap<String, usize>>,
+}
+
+impl Observed {
+    pub(crate) fn new(inner: TestBackend) -> Self {
+        Self {
+            inner,
+            busy: watch::Sender::new(HashMap::new()),
+        }
+    }
+
+    /// Returns once a waiter on `key` waits on its release watch, and
+    /// forgets the key's count.
+    pub(crate) async fn waiting(&self, key: &str, within: Duration) {
+        let mut rx = self.busy.subscribe();
+        let waited = tokio::time::timeout(
+            within,
+            rx.wait_for(|busy| busy.get(key).is_some_and(|&n| n >= 2)),
+        );
+        waited
+            .await
+            .unwrap_or_else(|_| panic!("the waiter on {key} never waited on its watch"))
+            .unwrap();
+        drop(rx);
+        self.busy.send_modify(|busy| {
+            busy.remove(key);
+        });
+    }
+}
+
+lock_core::forward_lock_backend!(Observed => inner {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let answer = self.inner.try_acquire(key, owner, ttl).await;
+        if matches!(answer, Ok(AcquireOutcome::Busy)) {
+            self.busy.send_modify(|busy| *busy.entry(key.to_owned()).or_default() += 1);
+        }
+        answer
+    }
+
+    fn try_acquire_now(
+        &self,
+        _key: &str,
+        _owner: &OwnerToken,
+        _ttl: Duration,
+        _now: Instant,
+    ) -> Option<Result<AcquireOutcome, BackendError>> {
+        None
+    }
+
+    fn release_now(
+        &self,
+        _lease: &lock_core::Lease,
+        _now: Instant,
+    ) -> Option<Result<ReleaseOutcome, BackendError>> {
+        None
+    }
+});
