@@ -558,6 +558,7 @@ impl Registry {
             ("registry: held locks", s.entries.len),
             ("registry: slab slots", s.entries.slots.len()),
             ("registry: vacant slots", s.entries.vacant.len()),
+            ("registry: attempts in flight", self.attempts_in_flight()),
         ];
         counts.extend(s.timetable.counts());
         drop(s);

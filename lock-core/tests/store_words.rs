@@ -13,6 +13,16 @@ use lock_core::{
     Lease, LockConfig, LockError, Locker, LossCause, OwnerToken,
 };
 use lock_memory::MemoryBackend;
+
+/// A locker whose background work runs on the test's runtime, under its
+/// paused clock.
+fn paused_locker(backend: impl lock_core::LockBackend) -> Locker {
+    Locker::with_options(
+        backend,
+        lock_core::LockerOptions::default().caller_runtime(true),
+    )
+    .unwrap()
+}
 use tokio::time::Instant;
 
 /// What the store said, as a Redis Cluster says it, naming the URL it was
@@ -129,7 +139,7 @@ async fn o4_a_loss_to_backend_errors_names_the_stores_words_in_its_log_line_and_
     let captured = Captured::default();
     let _guard = captured.install();
     let backend = Arc::new(Failing::default());
-    let locker = Locker::new(Arc::clone(&backend));
+    let locker = paused_locker(Arc::clone(&backend));
     let cfg = LockConfig::default().ttl(Duration::from_secs(3));
     let (inside_tx, inside_rx) = tokio::sync::oneshot::channel();
     let call = {
@@ -181,7 +191,7 @@ async fn o3_an_acquisition_that_failed_on_the_store_names_its_words() {
     let captured = Captured::default();
     let _guard = captured.install();
     let backend = Arc::new(Failing::default());
-    let locker = Locker::new(Arc::clone(&backend));
+    let locker = paused_locker(Arc::clone(&backend));
 
     // A failure trying again may mend: every attempt logs it, and the
     // error ends with it.

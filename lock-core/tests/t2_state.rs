@@ -12,6 +12,16 @@ use lock_core::{
     AcquireOutcome, BackendError, LockAdmin, LockConfig, LockError, Locker, LossCause, OwnerToken,
 };
 use lock_memory::MemoryBackend;
+
+/// A locker whose background work runs on the test's runtime, under its
+/// paused clock.
+fn paused_locker(backend: impl lock_core::LockBackend) -> Locker {
+    Locker::with_options(
+        backend,
+        lock_core::LockerOptions::default().caller_runtime(true),
+    )
+    .unwrap()
+}
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -55,7 +65,7 @@ fn named(i: usize) -> String {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn t2_keys_locked_once_each_leave_only_the_caches() {
     let backend = MemoryBackend::new();
-    let locker = Locker::new(backend.clone());
+    let locker = paused_locker(backend.clone());
     for i in 0..KEYS {
         locker
             .with_lock(&named(i), |_| async {})
@@ -83,7 +93,10 @@ async fn t2_keys_locked_once_each_leave_only_the_caches() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn t2_keys_held_at_once_with_waiters_leave_only_the_caches() {
     let backend = MemoryBackend::new();
-    let (a, b) = (Locker::new(backend.clone()), Locker::new(backend.clone()));
+    let (a, b) = (
+        paused_locker(backend.clone()),
+        paused_locker(backend.clone()),
+    );
     // `a` holds every key until told; `b` waits for each.
     let release = Arc::new(Semaphore::new(0));
     let held = Arc::new(Semaphore::new(0));
@@ -134,7 +147,7 @@ async fn t2_keys_held_at_once_with_waiters_leave_only_the_caches() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn t2_locks_lost_to_deleted_keys_leave_only_the_caches() {
     let backend = MemoryBackend::new();
-    let locker = Locker::new(backend.clone());
+    let locker = paused_locker(backend.clone());
     let held = Arc::new(Semaphore::new(0));
     let mut calls = Vec::new();
     for i in 0..KEYS {
@@ -202,7 +215,7 @@ lock_core::forward_lock_backend!(Refusing => inner {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn t2_refused_attempts_leave_only_the_caches_within_a_ttl() {
     let backend = MemoryBackend::new();
-    let locker = Locker::new(Refusing {
+    let locker = paused_locker(Refusing {
         inner: backend.clone(),
     });
     let ttl = Duration::from_secs(1);

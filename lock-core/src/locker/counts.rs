@@ -15,6 +15,7 @@ impl Locker {
     /// | `registry: held locks` | locks held | 0 |
     /// | `registry: slab slots` | slots of the held locks' slab | the most locks held at once (reused, kept) |
     /// | `registry: vacant slots` | free slots | as the slab |
+    /// | `registry: attempts in flight` | acquisition attempts not yet answered | 0 |
     /// | `extender: scheduled` | extensions scheduled | 0 |
     /// | `extender: unscheduled` | locks taken, not yet scheduled (ids of locks gone are dropped when the extender looks) | 64 |
     /// | `cleanup: keys` | keys a failed attempt may have taken, being freed | 0 one ttl after the last failed attempt |
