@@ -5,6 +5,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::redact::redact;
+
 /// Everything `with_lock` and the lower-level APIs can fail with.
 ///
 /// | variant | the callback ran? | what to do |
@@ -240,7 +242,11 @@ impl fmt::Display for BackendError {
                 "lock backend refused the step: its setup or permissions need fixing"
             }
         };
-        f.write_str(what)
+        // The store's own words end the line, so that a log line or a
+        // message that shows only this error still says what went wrong
+        // (`source()` gives the same error, for a chain walker:
+        // [`ErrorChain`] does not print it twice).
+        write!(f, "{what}: {}", redact(&self.source.to_string()))
     }
 }
 
@@ -253,6 +259,59 @@ impl StdError for BackendError {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct Message(String);
+
+/// An error and its sources on one line, `a: b: c`, each text with its
+/// passwords redacted (a URL's `user:password@`, a `password=` setting),
+/// skipping a source whose text is already in what was printed (a
+/// [`BackendError`] ends with its source's text, so the source is not
+/// printed again).
+///
+/// Every log line of the driver about an error or a lost lock prints its
+/// error this way, down to the store's own message:
+///
+/// ```
+/// use lock_core::{BackendError, ErrorChain, LockError, LossCause};
+///
+/// let store = std::io::Error::other("CLUSTERDOWN The cluster is down");
+/// let lost = LockError::Lost {
+///     key: "report".into(),
+///     cause: LossCause::Backend(BackendError::request(store)),
+/// };
+/// assert_eq!(
+///     ErrorChain(&lost).to_string(),
+///     "lock on key \"report\" lost while the callback ran: \
+///      backend errors: nothing confirms the lock was held throughout: \
+///      lock backend request failed: CLUSTERDOWN The cluster is down",
+/// );
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn StdError + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut shown = String::new();
+        let mut next = Some(self.0);
+        while let Some(error) = next {
+            next = error.source();
+            let text = error.to_string();
+            let text = redact(&text);
+            if shown.contains(&*text) {
+                continue;
+            }
+            if !shown.is_empty() {
+                shown.push_str(": ");
+            }
+            shown.push_str(&text);
+        }
+        f.write_str(&shown)
+    }
+}
+
+impl fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
 
 /// Input that `with_lock`, a handle or a config refused, touching nothing.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -331,8 +390,51 @@ mod tests {
         let cause = err.source().unwrap();
         assert!(cause.to_string().contains("backend errors"));
         let backend = cause.source().unwrap();
-        assert_eq!(backend.to_string(), "lock backend request failed");
+        assert_eq!(backend.to_string(), "lock backend request failed: refused");
         assert_eq!(backend.source().unwrap().to_string(), "refused");
         assert!(err.callback_started());
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("dialing {url} failed")]
+    struct Dial {
+        url: &'static str,
+        #[source]
+        io: std::io::Error,
+    }
+
+    #[test]
+    fn the_chain_ends_with_the_stores_words_once_and_no_password() {
+        let store = Dial {
+            url: "redis://app:hunter2@10.0.0.1:6379",
+            io: std::io::Error::other("CLUSTERDOWN The cluster is down"),
+        };
+        let backend = BackendError::request(store);
+        assert_eq!(
+            backend.to_string(),
+            "lock backend request failed: dialing redis://app:<redacted>@10.0.0.1:6379 failed"
+        );
+        let lost = LockError::Lost {
+            key: "k".into(),
+            cause: LossCause::Backend(backend),
+        };
+        let chain = ErrorChain(&lost).to_string();
+        assert_eq!(
+            chain,
+            "lock on key \"k\" lost while the callback ran: \
+             backend errors: nothing confirms the lock was held throughout: \
+             lock backend request failed: dialing redis://app:<redacted>@10.0.0.1:6379 failed: \
+             CLUSTERDOWN The cluster is down"
+        );
+        assert!(!format!("{:?}", ErrorChain(&lost)).contains("hunter2"));
+    }
+
+    #[test]
+    fn a_timeout_says_which_step() {
+        let timeout = BackendError::timeout("extend", Duration::from_secs(2));
+        assert_eq!(
+            ErrorChain(&timeout).to_string(),
+            "lock backend step timed out: extend did not finish within 2s"
+        );
     }
 }

@@ -295,7 +295,15 @@ fn take_due(registry: &Arc<Registry>, now: Instant) -> Option<(Vec<Batch>, Optio
             continue;
         };
         let ttl = e.held.ttl;
-        if due > now + ttl / 12 {
+        // A retry after a failure waits out its backoff: taken early, one
+        // due at the end of the validity would be sent again at once, in
+        // a loop, as long as a store fails fast.
+        let early = if e.plan.backoff.is_zero() {
+            ttl / 12
+        } else {
+            Duration::ZERO
+        };
+        if due > now + early {
             break;
         }
         tt.due.pop_first();
@@ -424,7 +432,7 @@ fn apply(
             Ok(ExtendOutcome::Expired) => lost.push((id, LossCause::Expired)),
             Ok(ExtendOutcome::Taken) => lost.push((id, LossCause::Taken)),
             Err(error) => {
-                tracing::debug!(key = %e.held.lease.key(), error = %error, "lock extension failed; retrying");
+                tracing::debug!(key = %e.held.lease.key(), error = %crate::ErrorChain(error), "lock extension failed; retrying");
                 // A last try cut short by the validity deadline says less
                 // than the store's own error before it.
                 let error = match (&plan.last_error, timed_out) {
@@ -483,4 +491,16 @@ async fn send_batch(registry: Arc<Registry>, batch: Batch) {
         }
     };
     apply(&registry, &batch, sent_at, answers, timed_out);
+}
+
+impl Timetable {
+    /// The extensions scheduled and the locks taken but not yet looked at
+    /// \[T2\]: one per held lock at most (the unscheduled list drops the
+    /// ids of locks gone once it is twice as long as the held locks).
+    pub(crate) fn counts(&self) -> [(&'static str, usize); 2] {
+        [
+            ("extender: scheduled", self.due.len()),
+            ("extender: unscheduled", self.unscheduled.len()),
+        ]
+    }
 }

@@ -16,8 +16,10 @@ use crate::held::HeldLock;
 
 /// How many gates with nobody at them are kept, for the next call on their
 /// key: it then allocates nothing, neither the gate nor the call's shared
-/// key, which it takes from the gate.
-const KEPT_IDLE: usize = 1024;
+/// key, which it takes from the gate. Beyond them a gate lives while a
+/// call of this locker tries, waits for or holds its key \[T2\]; the table
+/// gives back its room once it is less than a quarter full.
+pub(crate) const KEPT_IDLE: usize = 1024;
 
 /// One key's gate.
 struct Gate {
@@ -69,6 +71,13 @@ impl Table {
             self.idle += 1;
         } else {
             entry.remove();
+            // After a crowd of keys, the room they took goes back, at most
+            // once per halving: rehashing the rest costs no more than the
+            // removals that led to it.
+            let (len, room) = (self.gates.len(), self.gates.capacity());
+            if room > 4 * KEPT_IDLE && len < room / 4 {
+                self.gates.shrink_to(2 * len, |g| g.hash);
+            }
         }
     }
 }
@@ -152,6 +161,17 @@ impl Gates {
             spare: None,
         };
         (key, Ok(pass))
+    }
+
+    /// The gates, the idle ones among them, and the room of their table
+    /// \[T2\].
+    pub(crate) fn counts(&self) -> [(&'static str, usize); 3] {
+        let table = self.lock();
+        [
+            ("gates", table.gates.len()),
+            ("gates: idle", table.idle),
+            ("gates: table capacity", table.gates.capacity()),
+        ]
     }
 
     #[cfg(test)]

@@ -65,7 +65,9 @@ pub(crate) async fn leave_to_minimum(
         if answer.is_ok() || Instant::now() + pause >= deadline {
             break answer;
         }
-        tracing::debug!(key = %held.lease.key(), "the minimum hold's step failed; sending it again");
+        if let Err(error) = &answer {
+            tracing::debug!(key = %held.lease.key(), error = %crate::ErrorChain(error), "the minimum hold's step failed; sending it again");
+        }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(MAX_RETRY_PAUSE);
     };
@@ -75,7 +77,7 @@ pub(crate) async fn leave_to_minimum(
         }
         Ok(ReleaseOutcome::NotHeld) => {}
         Err(error) => {
-            tracing::debug!(key = %held.lease.key(), %error, "the minimum hold's step failed; the key expires with its ttl");
+            tracing::debug!(key = %held.lease.key(), error = %crate::ErrorChain(error), "the minimum hold's step failed; the key expires with its ttl");
         }
     }
     owed.settled_by_hold(answer.is_ok());

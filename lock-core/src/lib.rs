@@ -14,6 +14,7 @@ mod locker;
 mod metrics;
 mod mutex;
 mod notify;
+mod redact;
 mod reexport;
 mod registry;
 mod release;
@@ -27,7 +28,7 @@ pub use backend::{
 pub use background::Background;
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
 pub use context::LockContext;
-pub use error::{BackendError, BackendErrorKind, InvalidInput, LockError, LossCause};
+pub use error::{BackendError, BackendErrorKind, ErrorChain, InvalidInput, LockError, LossCause};
 pub use locker::handle::LockHandle;
 pub use locker::shutdown::ShutdownReport;
 pub use locker::Locker;

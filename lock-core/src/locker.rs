@@ -3,6 +3,7 @@
 // The locker's own steps, in files of their own; they alone reach the
 // fields of `Inner`.
 mod acquire;
+mod counts;
 pub(crate) mod handle;
 pub(crate) mod shutdown;
 
@@ -312,12 +313,12 @@ impl Locker {
                 // its ttl.
                 if let Some(Err(error)) = &answer {
                     let step = if in_hold { "minimum hold" } else { "release" };
-                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %error, "{step} failed after the callback settled; its output stands and the key expires with its ttl");
+                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), error = %crate::ErrorChain(error), "{step} failed after the callback settled; its output stands and the key expires with its ttl");
                 }
                 registry::settle_release(&held, answer.as_ref(), now);
                 let cause = held.loss_cause().cloned();
                 if let Some(cause) = &cause {
-                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), %cause, "lock lost before the callback settled");
+                    tracing::warn!(key = %key, fencing_token = held.lease.fencing_token(), cause = %crate::ErrorChain(cause), "lock lost before the callback settled");
                 }
                 // [H3] The next task of this node goes in; the record goes
                 // to the key's gate for the next lock of the key.

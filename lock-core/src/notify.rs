@@ -92,9 +92,18 @@ impl Drop for HubWatch {
         {
             map.remove(&self.key);
             self.hub.watched.store(map.len(), Ordering::SeqCst);
+            // The room of a crowd of watched keys goes back once they are
+            // gone, at most once per halving.
+            let len = map.len();
+            if map.capacity() > MIN_ROOM && len < map.capacity() / 4 {
+                map.shrink_to(2 * len);
+            }
         }
     }
 }
+
+/// The room a hub's map keeps however few keys are watched.
+const MIN_ROOM: usize = 64;
 
 #[derive(Default)]
 struct HubShared {
@@ -178,6 +187,19 @@ impl ReleaseHub {
     /// How many keys are watched.
     pub fn watched_keys(&self) -> usize {
         self.shared.lock().len()
+    }
+
+    /// Test-only: each per-key structure of the hub and its size \[T2\]:
+    /// the watched keys (an entry lives exactly as long as a watch on its
+    /// key) and the room of their map (given back once it is less than a
+    /// quarter full, down to 64).
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        let map = self.shared.lock();
+        vec![
+            ("hub: watched keys", map.len()),
+            ("hub: map capacity", map.capacity()),
+        ]
     }
 }
 

@@ -165,7 +165,7 @@ impl OwedRelease {
                 break answer;
             }
             if let Err(error) = &answer {
-                tracing::debug!(key = %self.lease.key(), %error, "release failed; sending it again");
+                tracing::debug!(key = %self.lease.key(), error = %crate::ErrorChain(error), "release failed; sending it again");
             }
             if stop_when_undecidable {
                 if let Some(error) = maybe_applied.clone() {
@@ -181,7 +181,7 @@ impl OwedRelease {
                 tracing::debug!(key = %self.lease.key(), fencing_token = self.lease.fencing_token(), ?outcome, "released");
             }
             Err(error) => {
-                tracing::debug!(key = %self.lease.key(), %error, "release failed; the key expires with its ttl");
+                tracing::debug!(key = %self.lease.key(), error = %crate::ErrorChain(error), "release failed; the key expires with its ttl");
             }
         }
         self.settled = true;
@@ -335,6 +335,7 @@ impl KeyCleanup {
                 tokens.retain(|(_, until)| *until > now);
                 if tokens.is_empty() {
                     pending.remove(&self.key);
+                    give_back_room(&mut pending);
                     return;
                 }
                 tokens.clone()
@@ -365,5 +366,27 @@ impl Drop for KeyCleanup {
         if !self.done {
             self.cleanup.lock().remove(&self.key);
         }
+    }
+}
+
+impl Cleanup {
+    /// The keys with tokens to clean up, and their map's room \[T2\]: a
+    /// key stays at most one ttl after the failed attempt that put it
+    /// there; the room is given back below a quarter full.
+    pub(crate) fn counts(&self) -> [(&'static str, usize); 2] {
+        let pending = self.lock();
+        [
+            ("cleanup: keys", pending.len()),
+            ("cleanup: map capacity", pending.capacity()),
+        ]
+    }
+}
+
+/// Gives back the room of a crowd of keys once the map is less than a
+/// quarter full, at most once per halving \[T2\].
+fn give_back_room(pending: &mut Pending) {
+    let len = pending.len();
+    if pending.capacity() > 64 && len < pending.capacity() / 4 {
+        pending.shrink_to(2 * len);
     }
 }

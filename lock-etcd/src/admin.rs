@@ -128,7 +128,7 @@ impl LockAdmin for EtcdBackend {
             )
             .await;
         if let Err(error) = revoked {
-            tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "lease revoke failed; it expires with its ttl");
         }
         Ok(Some(info))
     }

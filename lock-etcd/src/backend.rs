@@ -120,7 +120,7 @@ impl EtcdBackend {
         };
         let failover_after = config.failover_timeout.min(config.step_timeout);
         let note = |error: etcd_client::Error| {
-            tracing::debug!(%error, "etcd did not grant the check's lease yet");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), "etcd did not grant the check's lease yet");
             *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
         };
         // The check is tried again until the connect timeout while the
@@ -328,7 +328,7 @@ impl EtcdBackend {
     /// expire with its ttl.
     async fn revoke_quietly(&self, lease: i64) {
         if let Err(error) = revoke(&self.inner.endpoints, lease).await {
-            tracing::debug!(%error, lease, "lease revoke failed; it expires with its ttl");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "lease revoke failed; it expires with its ttl");
         }
     }
 
@@ -640,7 +640,7 @@ impl Drop for Granted<'_> {
                 Ok(Err(error)) => error,
                 Err(_) => BackendError::timeout("lease revoke", after),
             };
-            tracing::debug!(%error, lease, "the lease of a dropped attempt was not revoked; it expires with its ttl");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "the lease of a dropped attempt was not revoked; it expires with its ttl");
         });
     }
 }

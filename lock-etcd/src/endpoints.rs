@@ -198,7 +198,7 @@ impl Endpoints {
                 Ok(Err(error)) => error,
                 Err(_) => no_login(&url, self.failover_after),
             };
-            tracing::debug!(%error, endpoint = %url, "no client on the etcd endpoint");
+            tracing::debug!(error = %lock_core::ErrorChain(&error), endpoint = %url, "no client on the etcd endpoint");
             self.failed(generation, &error);
             tries += 1;
             if tries >= self.urls.len() {

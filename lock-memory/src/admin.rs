@@ -56,6 +56,7 @@ impl LockAdmin for MemoryBackend {
             });
         }
         Self::keep_free(slot, free, now);
+        Self::give_back_room(held);
         drop(state);
         self.inner.hub.notify(key);
         Ok(Some(freed))

@@ -24,7 +24,9 @@ lock_core::reexport_core!();
 /// counter for all keys, so they strictly increase per key while released
 /// keys need no record. The entries of the last [`KEPT_FREE`] keys freed
 /// are kept for their next acquisition (which then allocates and hashes
-/// nothing new); a key freed beyond that takes no memory.
+/// nothing new); a key freed beyond that takes no memory. An entry whose
+/// lock expired without a release is freed by the next step on its key or
+/// by the next sweep (see the crate docs) \[T2\].
 #[derive(Clone, Default)]
 pub struct MemoryBackend {
     inner: Arc<Inner>,
@@ -39,6 +41,13 @@ struct Inner {
 /// How many freed keys keep their entry, for reuse.
 pub const KEPT_FREE: usize = 1024;
 
+/// The fewest entries at which the table is swept of expired ones.
+const FIRST_SWEEP: usize = 2 * KEPT_FREE;
+
+/// How often a new key sweeps a table of more than [`KEPT_FREE`] entries
+/// at most, whatever its growth.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
 #[derive(Default)]
 struct State {
     // hashbrown for `entry_ref`: one hash per call, and a key is allocated
@@ -48,6 +57,11 @@ struct State {
     fence: u64,
     /// How many entries are kept free (with no owner).
     free: usize,
+    /// The table's length at which a new key sweeps it of expired entries
+    /// (twice its length after the last sweep, [`FIRST_SWEEP`] at least).
+    sweep_at: usize,
+    /// When a new key sweeps the table next, whatever its length.
+    next_sweep: Option<Instant>,
 }
 
 struct Holder {
@@ -113,7 +127,11 @@ impl MemoryBackend {
     ) -> AcquireOutcome {
         let mut state = self.lock();
         let State {
-            held, fence, free, ..
+            held,
+            fence,
+            free,
+            sweep_at,
+            next_sweep,
         } = &mut *state;
         let holder = Holder {
             owner: Some(owner.clone()),
@@ -133,6 +151,13 @@ impl MemoryBackend {
             }
             EntryRef::Vacant(place) => {
                 place.insert(holder);
+                let grown = held.len() >= (*sweep_at).max(FIRST_SWEEP);
+                let due = held.len() > KEPT_FREE && next_sweep.is_none_or(|at| now >= at);
+                if grown || due {
+                    Self::sweep(held, free, now);
+                    *sweep_at = 2 * held.len();
+                    *next_sweep = Some(now + SWEEP_EVERY);
+                }
             }
         }
         *fence += 1;
@@ -157,6 +182,7 @@ impl MemoryBackend {
             }
             EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
         };
+        Self::give_back_room(held);
         drop(state);
         if outcome == ReleaseOutcome::Released {
             self.inner.hub.notify(lease.key());
@@ -181,16 +207,71 @@ impl MemoryBackend {
         holder.expires_at = holder.expires_at.min(now);
     }
 
+    /// Frees every entry whose lock expired without a release (kept for
+    /// reuse while fewer than [`KEPT_FREE`] are, else removed), and gives
+    /// back the table's room once it is less than a quarter full.
+    fn sweep(held: &mut HashMap<Box<str>, Holder>, free: &mut usize, now: Instant) {
+        held.retain(|_, holder| {
+            if holder.owner.is_none() || holder.expires_at > now {
+                return true;
+            }
+            if *free >= KEPT_FREE {
+                return false;
+            }
+            *free += 1;
+            holder.owner = None;
+            true
+        });
+        Self::give_back_room(held);
+    }
+
+    fn give_back_room<S: std::hash::BuildHasher>(held: &mut HashMap<Box<str>, Holder, S>) {
+        let len = held.len();
+        if held.capacity() > 4 * KEPT_FREE && len < held.capacity() / 4 {
+            held.shrink_to(2 * len);
+        }
+    }
+
     fn extend_one(state: &mut State, lease: &Lease, ttl: Duration, now: Instant) -> ExtendOutcome {
-        match state.held.get_mut(lease.key()) {
-            Some(h) if h.expires_at <= now => ExtendOutcome::Expired,
-            Some(h) if h.owner.as_ref() == Some(lease.owner()) => {
-                h.expires_at = now + ttl;
+        let State { held, free, .. } = state;
+        match held.entry_ref(lease.key()) {
+            EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
+                // Freed now, not left for the key's next acquisition.
+                if slot.get().owner.is_some() {
+                    Self::keep_free(slot, free, now);
+                }
+                ExtendOutcome::Expired
+            }
+            EntryRef::Occupied(mut slot) if slot.get().owner.as_ref() == Some(lease.owner()) => {
+                slot.get_mut().expires_at = now + ttl;
                 ExtendOutcome::Extended
             }
-            Some(_) => ExtendOutcome::Taken,
-            None => ExtendOutcome::Expired,
+            EntryRef::Occupied(_) => ExtendOutcome::Taken,
+            EntryRef::Vacant(_) => ExtendOutcome::Expired,
         }
+    }
+
+    /// Test-only: each per-key structure of the backend and its size
+    /// \[T2\]: the table's entries (held, kept free, and expired but not
+    /// yet freed), its room, and the release hub's.
+    #[doc(hidden)]
+    pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
+        let now = Instant::now();
+        let state = self.lock();
+        let expired = state
+            .held
+            .values()
+            .filter(|h| h.owner.is_some() && h.expires_at <= now)
+            .count();
+        let mut counts = vec![
+            ("memory: entries", state.held.len()),
+            ("memory: free entries", state.free),
+            ("memory: expired entries", expired),
+            ("memory: table capacity", state.held.capacity()),
+        ];
+        drop(state);
+        counts.extend(self.inner.hub.state_counts());
+        counts
     }
 }
 

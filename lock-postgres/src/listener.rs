@@ -199,17 +199,18 @@ async fn listen(shared: Arc<Shared>) {
     loop {
         // This task runs on the background runtime, so the connection's
         // socket is registered there too.
-        let mut listener =
-            match connect(&shared.pool, &shared.channel, shared.connect_timeout).await {
-                Ok(listener) => listener,
-                Err(error) => {
-                    tracing::debug!(%error, "release listener could not connect; retrying");
-                    shared.state.send_replace(State::Down(Some(error)));
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(BACKOFF.1);
-                    continue;
-                }
-            };
+        let mut listener = match connect(&shared.pool, &shared.channel, shared.connect_timeout)
+            .await
+        {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::debug!(error = %lock_core::ErrorChain(&error), "release listener could not connect; retrying");
+                shared.state.send_replace(State::Down(Some(error)));
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF.1);
+                continue;
+            }
+        };
         backoff = BACKOFF.0;
         shared.state.send_replace(State::Listening);
         if shared.listened.swap(true, Ordering::SeqCst) {
@@ -222,7 +223,12 @@ async fn listen(shared: Arc<Shared>) {
                 Err(error) => break Some(step_error(error)),
             }
         };
-        tracing::debug!(?error, "release listener lost its connection; reconnecting");
+        tracing::debug!(
+            error = error
+                .as_ref()
+                .map(|e| tracing::field::display(lock_core::ErrorChain(e))),
+            "release listener lost its connection; reconnecting"
+        );
         shared.state.send_replace(State::Down(error));
         // Dropped rather than left to reconnect by itself, so that this
         // loop knows when LISTEN is active again.

@@ -516,7 +516,7 @@ impl Shared {
             }
             Event::Failed(node, generation, error) => {
                 if current(&state, &node, generation) {
-                    tracing::debug!(?node, %error, "sharded release subscription connection lost; reconnecting");
+                    tracing::debug!(?node, error = %lock_core::ErrorChain(&error), "sharded release subscription connection lost; reconnecting");
                     wake = lose(&mut state, &node, self.max_reconnect_delay);
                     self.nodes.refresh();
                 }
@@ -543,7 +543,7 @@ impl Shared {
                         }
                     }
                     Err(error) => {
-                        tracing::debug!(?node, %error, "sharded release subscription request failed; reconnecting");
+                        tracing::debug!(?node, error = %lock_core::ErrorChain(&error), "sharded release subscription request failed; reconnecting");
                         wake = lose(&mut state, &node, self.max_reconnect_delay);
                     }
                 }

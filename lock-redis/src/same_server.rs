@@ -161,7 +161,7 @@ impl SameServer {
         let mut state = self.state();
         if let State::Off { probe_at } = &mut *state {
             *probe_at = Instant::now() + self.again_after;
-            tracing::debug!(%error, "the probe of the release channel failed; trying again later");
+            tracing::debug!(error = %lock_core::ErrorChain(error), "the probe of the release channel failed; trying again later");
         }
         drop(state);
         self.release();

@@ -157,7 +157,7 @@ async fn follow_one(
         if connected {
             delay = FIRST_RECONNECT_DELAY;
         }
-        tracing::debug!(sentinel = %info.addr, error = %why, ?delay, "Sentinel announcements lost; reconnecting");
+        tracing::debug!(sentinel = %info.addr, error = %lock_core::ErrorChain(&why), ?delay, "Sentinel announcements lost; reconnecting");
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(sentinels.max_reconnect_delay);
     }

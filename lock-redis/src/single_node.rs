@@ -163,7 +163,7 @@ impl<S: Source> SingleNode<S> {
                 match connected_replicas(&mut conn).await {
                     Ok(n) => Ok(Some(n)),
                     Err(e) if e.is_permanent() => {
-                        tracing::info!(error = %e, "INFO is not allowed for this user: the replicas the durability setting waits for are not checked at connect");
+                        tracing::info!(error = %lock_core::ErrorChain(&e), "INFO is not allowed for this user: the replicas the durability setting waits for are not checked at connect");
                         Ok(None)
                     }
                     Err(e) => Err(e),

@@ -185,11 +185,11 @@ async fn run(shared: &Shared) {
                 first = false;
                 tracing::debug!(channel = %shared.channel, "release subscription in place");
                 let why = listen(shared, pubsub, switches).await;
-                tracing::debug!(error = %why, "release subscription lost; reconnecting");
+                tracing::debug!(error = %lock_core::ErrorChain(&why), "release subscription lost; reconnecting");
                 shared.state.send_replace(State::Down(why));
             }
             Err(error) => {
-                tracing::debug!(%error, ?delay, "release subscription failed; retrying");
+                tracing::debug!(error = %lock_core::ErrorChain(&error), ?delay, "release subscription failed; retrying");
                 shared.state.send_replace(State::Down(error));
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(shared.max_reconnect_delay);

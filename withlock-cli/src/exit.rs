@@ -1,7 +1,6 @@
 //! Exit codes, and the one-line failure a command ends with.
 
 use std::error::Error as StdError;
-use std::fmt;
 
 /// Bad arguments; nothing was touched (`EX_USAGE`).
 pub(crate) const USAGE: u8 = 64;
@@ -67,51 +66,9 @@ impl Failure {
     }
 }
 
-/// An error and its sources on one line, `a: b: c`, skipping a source
-/// whose text its parent already shows.
-pub(crate) struct Chain<'a>(pub(crate) &'a (dyn StdError + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut shown = self.0.to_string();
-        f.write_str(&shown)?;
-        let mut next = self.0.source();
-        while let Some(error) = next {
-            let text = error.to_string();
-            if !shown.contains(&text) {
-                write!(f, ": {text}")?;
-                shown = text;
-            }
-            next = error.source();
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[derive(Debug)]
-    struct Outer(std::io::Error);
-
-    impl fmt::Display for Outer {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("outer failed")
-        }
-    }
-
-    impl StdError for Outer {
-        fn source(&self) -> Option<&(dyn StdError + 'static)> {
-            Some(&self.0)
-        }
-    }
-
-    #[test]
-    fn chains_show_every_distinct_source() {
-        let error = Outer(std::io::Error::other("refused"));
-        assert_eq!(Chain(&error).to_string(), "outer failed: refused");
-    }
 
     #[test]
     fn codes_do_not_clash() {

@@ -13,11 +13,12 @@ use tokio::time::Instant;
 
 use crate::args::RunArgs;
 use crate::child::{Job, Outcome, Signals, Stopped};
-use crate::exit::{self, Chain, Failure};
+use crate::exit::{self, Failure};
 use crate::format::{ttl_text, Shown};
 use crate::group::Swept;
 use crate::record::{self, Record};
 use crate::store::{Scheme, Store};
+use lock_core::ErrorChain;
 
 /// How long the locker may take to hand back what it holds at exit.
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
@@ -50,7 +51,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     let store = Store::open(&args.store).await.map_err(did_not_run)?;
     let locker = store
         .locker(LockerOptions::default().node_id(node_id))
-        .map_err(|e| Failure::usage(format!("--node-id: {}", Chain(&e))))?;
+        .map_err(|e| Failure::usage(format!("--node-id: {}", ErrorChain(&e))))?;
 
     let shared = Arc::new(Shared::default());
     let waited = Instant::now();
@@ -378,7 +379,7 @@ fn held_throughout(done: Done) -> End {
             code: exit::LOST,
             message: Some(format!(
                 "lost the lock while the command ran ({}); the command was terminated ({status})",
-                Chain(&cause)
+                ErrorChain(&cause)
             )),
             cause: Some(format!("lost: {cause}")),
             ran,
@@ -420,7 +421,7 @@ fn lost(key: &str, cause: &lock_core::LossCause, done: Option<Done>, waited: Ins
         code: exit::LOST,
         message: Some(format!(
             "lost the lock on {key:?} while the command ran ({}); {command}",
-            Chain(cause)
+            ErrorChain(cause)
         )),
         cause: Some(format!("lost: {cause}")),
         token,
@@ -454,7 +455,7 @@ fn not_run(store: &Store, key: &str, error: &LockError) -> Failure {
             )
         }
         LockError::InvalidInput(invalid) => Failure::usage(invalid.to_string()),
-        other => Failure::new(exit::SOFTWARE, Chain(other).to_string()),
+        other => Failure::new(exit::SOFTWARE, ErrorChain(other).to_string()),
     }
 }
 

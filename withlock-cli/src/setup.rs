@@ -13,7 +13,8 @@ use lock_postgres::sqlx::{self, ConnectOptions, Connection};
 use lock_postgres::PostgresConfig;
 use lock_redis::{RedisBackend, RedisConfig};
 
-use crate::exit::{self, Chain, Failure};
+use crate::exit::{self, Failure};
+use lock_core::ErrorChain;
 
 /// What a store's refusal says about its setup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,7 +138,7 @@ pub(crate) fn failure(what: &str, error: &(dyn StdError + 'static)) -> Failure {
         // The store's own words say what: the backend error's kind line
         // ("unreachable", "refused the step") adds nothing, or misleads.
         Some(_) => format!("{what}: {}", Words(error)),
-        None => format!("{what}: {}", Chain(error)),
+        None => format!("{what}: {}", ErrorChain(error)),
     };
     if let Some(hint) = refusal.and_then(Refusal::hint) {
         message.push_str("; ");
@@ -146,9 +147,9 @@ pub(crate) fn failure(what: &str, error: &(dyn StdError + 'static)) -> Failure {
     Failure::new(refusal.map_or(exit::UNAVAILABLE, Refusal::code), message)
 }
 
-/// An error and its sources on one line, as [`Chain`], without the
-/// lines of the [`lock_core::BackendError`]s in it, which name only a
-/// kind.
+/// An error and its sources on one line, as [`ErrorChain`], without the
+/// [`lock_core::BackendError`]s in it, whose kind adds nothing here (their
+/// store's words are their source, printed next).
 struct Words<'a>(&'a (dyn StdError + 'static));
 
 impl std::fmt::Display for Words<'_> {
@@ -184,11 +185,11 @@ pub(crate) async fn redis_server(url: &str, config: RedisConfig) -> Result<Redis
         Ok(backend) => Ok(backend),
         Err(error @ lock_redis::SetupError::Connect(_)) if refusal(&error).is_none() => {
             RedisBackend::from_url_with(url, config)
-                .map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))
+                .map_err(|e| Failure::usage(format!("--url: {}", ErrorChain(&e))))
         }
         Err(error) => match refusal(&error) {
             Some(_) => Err(failure("the Redis server refused", &error)),
-            None => Err(Failure::usage(format!("--url: {}", Chain(&error)))),
+            None => Err(Failure::usage(format!("--url: {}", ErrorChain(&error)))),
         },
     }
 }
@@ -201,8 +202,8 @@ pub(crate) fn etcd_config(url: &str) -> Result<EtcdConfig, Failure> {
         Some((scheme, rest)) => format!("{}://{rest}", scheme.to_ascii_lowercase()),
         None => url.to_owned(),
     };
-    let config =
-        EtcdConfig::from_url(&url).map_err(|e| Failure::usage(format!("--url: {}", Chain(&e))))?;
+    let config = EtcdConfig::from_url(&url)
+        .map_err(|e| Failure::usage(format!("--url: {}", ErrorChain(&e))))?;
     // lock-etcd ends every endpoint with `:PORT`, adding `:2379`.
     let port_ok = |endpoint: &String| {
         endpoint
@@ -225,7 +226,7 @@ pub(crate) fn etcd_failure(error: &lock_etcd::SetupError) -> Failure {
     use lock_etcd::SetupError;
     match error {
         SetupError::InvalidUrl { .. } | SetupError::InvalidConfig { .. } => {
-            Failure::usage(format!("--url: {}", Chain(error)))
+            Failure::usage(format!("--url: {}", ErrorChain(error)))
         }
         SetupError::Connect {
             source:

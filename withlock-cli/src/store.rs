@@ -11,8 +11,9 @@ use lock_postgres::{PostgresBackend, PostgresConfig};
 use lock_redis::{RedisClusterBackend, RedisConfig, RedisSentinelBackend, SentinelConfig};
 
 use crate::args::StoreArgs;
-use crate::exit::{Chain, Failure};
+use crate::exit::Failure;
 use crate::setup;
+use lock_core::ErrorChain;
 
 /// The schemes `--url` may have, for messages.
 const SCHEMES: &str = "redis://, rediss://, redis+cluster://, rediss+cluster://, \
@@ -241,7 +242,8 @@ impl Store {
     /// right to is refused here).
     pub(crate) async fn open(args: &StoreArgs) -> Result<Self, Failure> {
         let redis_config = || RedisConfig::default().prefix(args.redis_prefix.clone());
-        let bad_url = |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", Chain(&e)));
+        let bad_url =
+            |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", ErrorChain(&e)));
         match Scheme::of(&args.url)? {
             Scheme::Redis => {
                 check_query(&args.url, "Redis", REDIS_PARAMETERS)?;
@@ -289,7 +291,7 @@ impl Store {
                 let options = args.url.parse::<PgConnectOptions>().map_err(|e| {
                     Failure::usage(format!(
                         "--url is not a valid PostgreSQL URL: {}",
-                        Chain(&e)
+                        ErrorChain(&e)
                     ))
                 })?;
                 let config = PostgresConfig::default()
@@ -297,7 +299,7 @@ impl Store {
                     .table(args.table.clone());
                 config
                     .validate()
-                    .map_err(|e| Failure::usage(Chain(&e).to_string()))?;
+                    .map_err(|e| Failure::usage(ErrorChain(&e).to_string()))?;
                 setup::postgres_server(&options, &config).await?;
                 let backend = PostgresBackend::connect_with(&args.url, config)
                     .await

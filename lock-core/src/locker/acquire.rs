@@ -341,7 +341,7 @@ impl<'a> Holding<'a> {
                     // The subscription is down: the extensions still check
                     // the lock meanwhile.
                     Err(error) => {
-                        tracing::debug!(key = %self.held.lease.key(), %error, "cannot watch a held key's releases yet");
+                        tracing::debug!(key = %self.held.lease.key(), error = %crate::ErrorChain(&error), "cannot watch a held key's releases yet");
                         tokio::time::sleep(WATCH_OWN_KEY_AFTER * 4).await;
                     }
                 }
@@ -480,11 +480,11 @@ impl Locker {
                     // [A8] A setup error is said at once: no attempt after
                     // it could do better.
                     Err(error) if error.is_permanent() => {
-                        tracing::warn!(%error, "acquisition refused by the backend's setup; not retried");
+                        tracing::warn!(error = %crate::ErrorChain(&error), "acquisition refused by the backend's setup; not retried");
                         return Err(not_acquired(key, counted + 1, Some(error)));
                     }
                     Err(error) => {
-                        tracing::debug!(%error, "acquisition attempt failed");
+                        tracing::debug!(error = %crate::ErrorChain(&error), "acquisition attempt failed");
                         last_error = Some(error);
                         false
                     }
@@ -513,7 +513,7 @@ impl Locker {
                         }
                         Err(error) => {
                             inner.registry.meter.backend_error(key, Step::WatchRelease);
-                            tracing::debug!(%error, "release watch failed; waiting on the retry timer");
+                            tracing::debug!(error = %crate::ErrorChain(&error), "release watch failed; waiting on the retry timer");
                         }
                     }
                 }
