@@ -473,6 +473,17 @@ impl Capabilities {
 /// when its caller is dropped with the step still pending, an acquisition
 /// goes on to its end in a task of its own, and a release is sent again in
 /// one, so a dropped `with_lock` never strands a lock.
+///
+/// # Dropping
+///
+/// The driver's background work (a clean-up release, an extender) keeps a
+/// reference to the backend until it ends, so the last reference may be
+/// dropped on the process's background thread
+/// ([`background::THREAD_NAME`](crate::background::THREAD_NAME)), which
+/// every locker of the process shares. A backend's `Drop` must not block
+/// (no network round trip waited for, no thread joined): it would stall
+/// the extension of every other lock meanwhile. Hand such work to a task
+/// or a thread of its own and return.
 #[async_trait]
 pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// What this backend can do beyond the required steps.

@@ -682,6 +682,18 @@ fn clean_at_exit(url: &str, prefix: &str) {
 
 impl Drop for Namespace {
     fn drop(&mut self) {
+        // Not on the background thread that every locker of the process
+        // shares (the last lock's clean-up may drop the last reference
+        // there): a server that does not answer would block it, and the
+        // other tests' locks with it.
+        if std::thread::current().name() == Some(lock_core::background::THREAD_NAME) {
+            let this = Self {
+                url: std::mem::take(&mut self.url),
+                prefix: std::mem::take(&mut self.prefix),
+            };
+            std::thread::spawn(move || drop(this));
+            return;
+        }
         if let Err(error) = self.cleanup() {
             eprintln!("namespace {} not cleaned up: {error}", self.prefix);
         }

@@ -512,6 +512,18 @@ impl ClusterNamespace {
 
 impl Drop for ClusterNamespace {
     fn drop(&mut self) {
+        // Not on the background thread that every locker of the process
+        // shares (the last lock's clean-up may drop the last reference
+        // there): a server that does not answer would block it, and the
+        // other tests' locks with it.
+        if std::thread::current().name() == Some(lock_core::background::THREAD_NAME) {
+            let this = Self {
+                urls: std::mem::take(&mut self.urls),
+                prefix: std::mem::take(&mut self.prefix),
+            };
+            std::thread::spawn(move || drop(this));
+            return;
+        }
         if let Err(error) = self.cleanup() {
             eprintln!("cluster namespace {} not cleaned up: {error}", self.prefix);
         }
