@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use lock_core::{
@@ -18,6 +19,10 @@ use crate::faults::Step;
 #[derive(Default)]
 struct Counts {
     calls: [AtomicU64; crate::faults::STEPS],
+    /// Calls whose answer the wrapped backend has given.
+    answers: [AtomicU64; crate::faults::STEPS],
+    /// Woken at every answer.
+    answered: Notify,
     extended_leases: AtomicU64,
     /// When each `try_acquire` was called, with its key and owner token.
     attempts: Mutex<Vec<(Instant, String, OwnerToken)>>,
@@ -49,6 +54,29 @@ impl<B: LockBackend> CountingBackend<B> {
     /// calls alike (each is one round trip).
     pub fn calls(&self, step: Step) -> u64 {
         self.counts.calls[step.index()].load(Ordering::SeqCst)
+    }
+
+    /// Calls of `step` the wrapped backend has answered so far (counted
+    /// once the answer is back, whatever it says).
+    pub fn answers(&self, step: Step) -> u64 {
+        self.counts.answers[step.index()].load(Ordering::SeqCst)
+    }
+
+    /// Waits until the wrapped backend has answered `n` calls of `step`:
+    /// a handshake with the driver (its first attempt found the key busy,
+    /// its first extension went through) instead of a sleep that hopes so.
+    pub async fn until_answered(&self, step: Step, n: u64) {
+        loop {
+            let answered = self.counts.answered.notified();
+            tokio::pin!(answered);
+            // Registered before the count is read, so an answer between
+            // the two wakes it.
+            answered.as_mut().enable();
+            if self.answers(step) >= n {
+                return;
+            }
+            answered.await;
+        }
     }
 
     /// Calls of every step so far.
@@ -90,6 +118,13 @@ impl<B: LockBackend> CountingBackend<B> {
     fn count(&self, step: Step) {
         self.counts.calls[step.index()].fetch_add(1, Ordering::SeqCst);
     }
+
+    /// Counts an answer of `step` and passes it on.
+    fn answered<T>(&self, step: Step, answer: T) -> T {
+        self.counts.answers[step.index()].fetch_add(1, Ordering::SeqCst);
+        self.counts.answered.notify_waiters();
+        answer
+    }
 }
 
 impl<B: fmt::Debug> fmt::Debug for CountingBackend<B> {
@@ -119,13 +154,15 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         self.count(Step::TryAcquire);
         self.attempts()
             .push((Instant::now(), key.to_owned(), owner.clone()));
-        self.inner.try_acquire(key, owner, ttl).await
+        let answer = self.inner.try_acquire(key, owner, ttl).await;
+        self.answered(Step::TryAcquire, answer)
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
         self.count(Step::Extend);
         self.counts.extended_leases.fetch_add(1, Ordering::SeqCst);
-        self.inner.extend(lease, ttl).await
+        let answer = self.inner.extend(lease, ttl).await;
+        self.answered(Step::Extend, answer)
     }
 
     async fn extend_many(
@@ -136,7 +173,8 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
         self.counts
             .extended_leases
             .fetch_add(requests.len() as u64, Ordering::SeqCst);
-        self.inner.extend_many(requests).await
+        let answer = self.inner.extend_many(requests).await;
+        self.answered(Step::Extend, answer)
     }
 
     fn failure_domain(&self, key: &str) -> u64 {
@@ -145,16 +183,19 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
 
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         self.count(Step::Release);
-        self.inner.release(lease).await
+        let answer = self.inner.release(lease).await;
+        self.answered(Step::Release, answer)
     }
 
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
         self.count(Step::Hold);
-        self.inner.hold(lease, hold).await
+        let answer = self.inner.hold(lease, hold).await;
+        self.answered(Step::Hold, answer)
     }
 
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError> {
         self.count(Step::WatchRelease);
-        self.inner.watch_release(key).await
+        let answer = self.inner.watch_release(key).await;
+        self.answered(Step::WatchRelease, answer)
     }
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use lock_conformance::{CountingBackend, Step};
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
     ExtendRequest, Hold, Lease, LockBackend, LockConfig, Locker, OwnerToken, ReleaseOutcome,
@@ -25,7 +26,8 @@ fn runtime() -> tokio::runtime::Runtime {
 #[test]
 fn a_locker_outliving_its_first_runtime_still_extends() {
     let backend = MemoryBackend::new();
-    let locker = Locker::new(backend.clone());
+    let seen = CountingBackend::new(backend.clone());
+    let locker = Locker::new(seen.clone());
     // A ttl long enough that a loaded machine does not make an extension
     // late: a stall of two thirds of it would.
     let cfg = LockConfig::default().ttl(Duration::from_secs(1));
@@ -38,11 +40,19 @@ fn a_locker_outliving_its_first_runtime_still_extends() {
             .await
             .unwrap();
     });
-    // A second runtime: a callback running for three ttls must be extended.
+    // A second runtime: a callback that runs until its lock has been
+    // extended three times more must see it held all along.
+    let before = seen.answers(Step::Extend);
     runtime().block_on(async {
-        let got = locker
+        let (l, s) = (locker.clone(), seen.clone());
+        let got = l
             .with_lock_config("job", &cfg, |ctx| async move {
-                tokio::time::sleep(Duration::from_secs(3)).await;
+                tokio::time::timeout(
+                    Duration::from_secs(30),
+                    s.until_answered(Step::Extend, before + 3),
+                )
+                .await
+                .expect("three extensions of the lock");
                 ctx.is_lost()
             })
             .await;
@@ -188,17 +198,29 @@ async fn failed_attempts_are_cleaned_up_by_one_task_per_key() {
     );
 }
 
-#[tokio::test]
+// On the paused clock: the sleep ends only once every task is idle, so any
+// clean-up owed has been sent by then.
+#[tokio::test(start_paused = true)]
 async fn failed_attempts_whose_request_was_never_sent_need_no_clean_up() {
-    let backend = failing(BackendErrorKind::Unavailable, false);
-    let locker = Locker::new(Arc::clone(&backend));
-    let cfg = LockConfig::default()
-        .retry_attempts(5)
-        .retry_delay(Duration::from_millis(5));
-    let got = locker.with_lock_config("k", &cfg, |_| async {}).await;
-    assert!(got.unwrap_err().is_not_acquired());
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(backend.releases.load(Ordering::SeqCst), 0);
+    async fn releases_after_failing_with(kind: BackendErrorKind) -> u64 {
+        let backend = failing(kind, false);
+        let locker = on_the_test_clock(Arc::clone(&backend));
+        let cfg = LockConfig::default()
+            .retry_attempts(5)
+            .retry_delay(Duration::from_millis(5));
+        let got = locker.with_lock_config("k", &cfg, |_| async {}).await;
+        assert!(got.unwrap_err().is_not_acquired());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        backend.releases.load(Ordering::SeqCst)
+    }
+    // The count sees a clean-up where one is owed: attempts that may have
+    // reached the store (timed out) are released...
+    assert!(releases_after_failing_with(BackendErrorKind::Timeout).await >= 1);
+    // ...and attempts never sent are not.
+    assert_eq!(
+        releases_after_failing_with(BackendErrorKind::Unavailable).await,
+        0
+    );
 }
 
 #[tokio::test]

@@ -191,7 +191,8 @@ pub async fn a5_release_notification_wakes_waiter(factory: Arc<dyn BackendFactor
     let mut held = a.handle(&key, SHORT_TTL * 25).unwrap();
     assert!(held.acquire().await.unwrap());
 
-    let b = node(Arc::clone(&backend), "b");
+    let seen = CountingBackend::new(Arc::clone(&backend));
+    let b = node(seen.clone(), "b");
     // With notifications a 30 s delay must not matter; without them the
     // waiter falls back to its retry timer.
     let cfg = if notifies {
@@ -203,7 +204,25 @@ pub async fn a5_release_notification_wakes_waiter(factory: Arc<dyn BackendFactor
     };
     let (l, k) = (b.clone(), key.clone());
     let waiter = tokio::spawn(async move { l.with_lock_config(&k, &cfg, |_| async {}).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The release comes once the waiter waits: it found the key busy and,
+    // with notifications, watches it (the attempt right after the watch
+    // is in place found it busy too), so only the notification can bring
+    // it in before its 30 s delay.
+    let busy_answers = if notifies { 2 } else { 1 };
+    within(
+        SOON,
+        "the waiter finds the key busy",
+        seen.until_answered(Step::TryAcquire, busy_answers),
+    )
+    .await;
+    if notifies {
+        assert_eq!(
+            seen.answers(Step::WatchRelease),
+            1,
+            "the waiter watches the key"
+        );
+    }
+    assert!(!waiter.is_finished(), "the key is held: the waiter waits");
     let released_at = Instant::now();
     assert!(held.release().await.unwrap());
     within(SOON, "the waiter after a release", waiter)

@@ -8,6 +8,7 @@ use lock_core::{Locker, LockerOptions, LossCause};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::counting::CountingBackend;
 use crate::faults::{FaultInjector, Step};
 use crate::support::{
     assert_free, assert_lost_as, node, patient, within, BackendFactory, Namespace, SOON,
@@ -132,7 +133,8 @@ pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactor
     let backend = factory.backend().await;
     let ns = Namespace::new();
     let key = ns.key("s2");
-    let a = node(Arc::clone(&backend), "a");
+    let seen = CountingBackend::new(Arc::clone(&backend));
+    let a = node(seen.clone(), "a");
     let other = node(Arc::clone(&backend), "other");
     let mut held = other.handle(&key, Duration::from_secs(30)).unwrap();
     assert!(held.acquire().await.unwrap());
@@ -145,8 +147,15 @@ pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactor
         })
         .await
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Shut down once the call waits: its first attempt found the key busy.
+    within(
+        SOON,
+        "the call finds the key busy",
+        seen.until_answered(Step::TryAcquire, 1),
+    )
+    .await;
     a.shutdown(Duration::from_millis(50)).await;
+    let attempts_at_shutdown = seen.calls(Step::TryAcquire);
     held.release().await.unwrap();
 
     let r = Arc::clone(&ran);
@@ -160,10 +169,25 @@ pub async fn s2_after_shutdown_calls_never_settle(factory: Arc<dyn BackendFactor
             .is_err(),
         "a call after shutdown never settles"
     );
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The key is free for anyone else: a patient node of its own takes it
+    // (a release notification, where the store sends them, has gone out
+    // to the shut node's call too by then).
+    let probe = node(Arc::clone(&backend), "probe");
+    within(
+        SOON,
+        "another node takes the freed key",
+        probe.with_lock_config(&key, &patient(), |_| async {}),
+    )
+    .await
+    .expect("the key is free");
     assert!(
         !waiting.is_finished(),
         "a call waiting at shutdown never settles"
+    );
+    assert_eq!(
+        seen.calls(Step::TryAcquire),
+        attempts_at_shutdown,
+        "a shut node makes no attempt, neither the waiting call nor the later one"
     );
     assert!(
         !ran.load(Ordering::SeqCst),
