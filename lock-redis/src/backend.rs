@@ -258,6 +258,14 @@ impl RedisBackend {
         self.steps.is_subscribed()
     }
 
+    /// How many times the release subscription failed to be made or
+    /// made again, for tests that wait for a failed resubscription (not a
+    /// stable interface).
+    #[doc(hidden)]
+    pub fn subscription_failures(&self) -> u64 {
+        self.steps.subscription_failures()
+    }
+
     /// The per-key structures of the backend and their sizes now, for
     /// \[T2\] tests (not a stable interface). Each is 0 once no lock call
     /// runs:

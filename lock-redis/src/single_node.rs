@@ -230,6 +230,14 @@ impl<S: Source> SingleNode<S> {
             .is_some_and(Subscription::is_subscribed)
     }
 
+    /// How many times a (re)subscription failed so far.
+    pub(crate) fn subscription_failures(&self) -> u64 {
+        self.inner
+            .subscription
+            .as_ref()
+            .map_or(0, Subscription::times_failed)
+    }
+
     /// The fields of `Debug` that every single-node backend shows: never
     /// a URL or a client, whose `Debug` shows the password.
     pub(crate) fn describe<'s, 'a, 'b>(

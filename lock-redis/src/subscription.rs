@@ -71,6 +71,8 @@ struct Shared {
     /// How many times the subscription was made: a watch woken meanwhile
     /// may have been woken by a resubscription, not a release.
     made: AtomicU64,
+    /// How many times a (re)subscription failed.
+    failed: AtomicU64,
     timeout: Duration,
     health_check_interval: Duration,
     max_reconnect_delay: Duration,
@@ -99,6 +101,7 @@ impl Subscription {
             hub: ReleaseHub::new(),
             state,
             made: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             timeout: config.step_timeout,
             health_check_interval: config.health_check_interval,
             max_reconnect_delay: config.max_reconnect_delay,
@@ -115,6 +118,11 @@ impl Subscription {
     /// (which wakes every watch) rather than by a release.
     pub(crate) fn times_made(&self) -> u64 {
         self.shared.made.load(Ordering::Acquire)
+    }
+
+    /// How many times a (re)subscription failed so far.
+    pub(crate) fn times_failed(&self) -> u64 {
+        self.shared.failed.load(Ordering::Acquire)
     }
 
     /// How many keys somebody watches.
@@ -191,6 +199,7 @@ async fn run(shared: &Shared) {
             Err(error) => {
                 tracing::debug!(error = %lock_core::ErrorChain(&error), ?delay, "release subscription failed; retrying");
                 shared.state.send_replace(State::Down(error));
+                shared.failed.fetch_add(1, Ordering::AcqRel);
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(shared.max_reconnect_delay);
             }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{node, within};
+use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, LockError, Locker};
 use lock_redis::slot::key_slot;
 use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
@@ -107,6 +108,36 @@ fn keys_served(
         .collect()
 }
 
+/// The holder's backend, counting its steps.
+type Counted = CountingBackend<Arc<ScratchClusterBackend>>;
+
+fn counted(scratch: ScratchClusterBackend) -> Counted {
+    CountingBackend::new(Arc::new(scratch))
+}
+
+/// Waits until every lock of `held` still held (its holder not told of a
+/// loss) has been extended `rounds` more times, and every extension sent
+/// meanwhile has been answered: rounds counted, not slept for.
+async fn extension_rounds(counted: &Counted, held: &[Held], rounds: u64, what: &str) {
+    let from = counted.extended_leases();
+    within(LIMIT, what, async {
+        loop {
+            let still_held = held
+                .iter()
+                .filter(|h| h.inside.load(Ordering::SeqCst))
+                .count() as u64;
+            if counted.extended_leases() >= from + rounds * still_held {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        counted
+            .until_answered(Step::Extend, counted.calls(Step::Extend))
+            .await;
+    })
+    .await;
+}
+
 /// SIGKILL of a master that holds locks with waiters on them: its replica
 /// is promoted (about 5 s); each lock there is either kept (its extensions
 /// resume on the new master) or reported lost, never silently doubled;
@@ -130,7 +161,8 @@ async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
         .collect();
     slots.sort_unstable();
     slots.dedup();
-    let holder = node(scratch, "holder");
+    let seen = counted(scratch);
+    let holder = node(seen.clone(), "holder");
     let waiter = node(other.clone(), "waiter");
     let (stop, stopped) = watch::channel(false);
     // A ttl well above the failover time: the lock stays valid meanwhile.
@@ -182,8 +214,8 @@ async fn a_killed_master_is_replaced_and_no_lock_is_silently_doubled() {
         "replica on port {new_master} promoted after {:?}",
         killed_at.elapsed()
     );
-    // Two extension rounds (ttl / 3 each) on the new master.
-    tokio::time::sleep(ttl * 2 / 3).await;
+    // Two extension rounds on the new master.
+    extension_rounds(&seen, &held, 2, "two extension rounds after the failover").await;
     let _ = stop.send(true);
     for (i, h) in held.iter_mut().enumerate() {
         let kept = within(LIMIT, "holder end", &mut h.call).await.unwrap();
@@ -243,7 +275,8 @@ async fn l4_a_stopped_master_makes_only_its_own_locks_lost() {
     for &port in &masters[1..] {
         keys.extend(keys_served(&cluster, &scratch, port, true, 3));
     }
-    let holder = node(scratch, "holder");
+    let seen = counted(scratch);
+    let holder = node(seen.clone(), "holder");
     let waiter = node(other, "waiter");
     let (stop, stopped) = watch::channel(false);
     let ttl = Duration::from_secs(2);
@@ -252,7 +285,7 @@ async fn l4_a_stopped_master_makes_only_its_own_locks_lost() {
         held.push(hold(&holder, key, ttl, &stopped).await);
     }
     // A first extension round on every master.
-    tokio::time::sleep(ttl / 2).await;
+    extension_rounds(&seen, &held, 1, "a first extension round").await;
 
     let stopped_at = Instant::now();
     cluster.node(victim).unwrap().pause().unwrap();
@@ -295,7 +328,7 @@ async fn l4_a_stopped_master_makes_only_its_own_locks_lost() {
             )
         })
         .collect();
-    tokio::time::sleep(ttl * 2 / 3).await;
+    extension_rounds(&seen, &held, 2, "two extension rounds after the failover").await;
     let _ = stop.send(true);
     for (i, h) in held.iter_mut().enumerate() {
         let kept = within(LIMIT, "holder end", &mut h.call).await.unwrap();
@@ -350,8 +383,10 @@ async fn a_migrated_slot_keeps_its_lock_and_wakes_its_waiter() {
         .iter()
         .find(|p| **p != from)
         .unwrap();
-    let holder = node(scratch, "holder");
-    let waiter = node(other.clone(), "waiter");
+    let seen = counted(scratch);
+    let holder = node(seen.clone(), "holder");
+    let waiting = CountingBackend::new(other.clone());
+    let waiter = node(waiting.clone(), "waiter");
     let (stop, stopped) = watch::channel(false);
     // Extensions every 500 ms while the slot moves.
     let mut h = hold(&holder, &key, Duration::from_millis(1500), &stopped).await;
@@ -359,13 +394,17 @@ async fn a_migrated_slot_keeps_its_lock_and_wakes_its_waiter() {
     // of that is only a notification's, however slow the machine.
     let retry_delay = Duration::from_secs(30);
     let w = wait_for(&waiter, &key, Arc::clone(&h.inside), retry_delay);
-    within(LIMIT, "subscription", async {
-        while !other.is_subscribed() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
+    // The waiter waits on its subscription: it found the key busy, watched
+    // it, and found it busy again.
+    within(
+        LIMIT,
+        "the waiter waits",
+        waiting.until_answered(Step::TryAcquire, 2),
+    )
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(waiting.answers(Step::WatchRelease), 1);
+    assert!(other.is_subscribed(), "the waiter's backend is subscribed");
+    let subscribed_before = other.subscription_stats().subscribe_requests;
 
     {
         let cluster = Arc::clone(&cluster);
@@ -379,8 +418,21 @@ async fn a_migrated_slot_keeps_its_lock_and_wakes_its_waiter() {
         to,
         "the slot moved"
     );
-    // Several extensions on the new master; resubscription in between.
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    // Several extensions on the new master, and the waiter's backend
+    // subscribed there again.
+    let extended = seen.calls(Step::Extend);
+    within(LIMIT, "three extensions on the new master", async {
+        seen.until_answered(Step::Extend, extended + 3).await;
+    })
+    .await;
+    within(LIMIT, "the waiter's resubscription", async {
+        while other.subscription_stats().subscribe_requests == subscribed_before
+            || !other.is_subscribed()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
     assert!(
         h.inside.load(Ordering::SeqCst),
         "the holder still holds the key"

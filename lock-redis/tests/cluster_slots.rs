@@ -2,7 +2,7 @@
 //! `CLUSTER KEYSLOT`, for odd keys and for their fencing companions.
 
 use lock_redis::slot::{fence_key, key_slot};
-use lock_redis::testing::{server_url, RedisServer};
+use lock_redis::testing::RedisServer;
 
 fn keys() -> Vec<String> {
     let mut keys: Vec<String> = [
@@ -58,22 +58,5 @@ fn slots_and_companions_agree_with_cluster_keyslot() {
             slot,
             "companion {fence:?}"
         );
-    }
-}
-
-/// The shared server may be a standalone one, where `CLUSTER KEYSLOT`
-/// errors: then the check is skipped with the reason printed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn slots_agree_with_the_shared_server_if_it_allows() {
-    let url = server_url().await;
-    let mut conn = redis::Client::open(url).unwrap().get_connection().unwrap();
-    match keyslot(&mut conn, "foo") {
-        Ok(slot) => {
-            for key in keys() {
-                assert_eq!(key_slot(&key), keyslot(&mut conn, &key).unwrap(), "{key:?}");
-            }
-            assert_eq!(slot, 12182);
-        }
-        Err(e) => eprintln!("SKIPPED: the shared server refuses CLUSTER KEYSLOT: {e}"),
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{loss_cause, node, redis_error_in, within};
+use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, LockError, LossCause};
 use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
@@ -187,8 +188,9 @@ async fn acquisition_against_a_hung_server_gives_up_in_bounded_time() {
     let a = node(backend(&server, RedisConfig::default()), "a");
     let key = "hung-acquire";
     give_up_on_a_hung_server(&server, &a, key).await.resume();
-    // Give requests queued while the server was stopped time to land.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // No wait for the requests queued while the server was stopped: the
+    // check's fresh connection is accepted, then read, in the server's
+    // event-loop turns after the one that reads the queued requests.
     assert_free_or_late_attempt_of_a(key, key_state(&server, key));
     let took = acquires_within(&a, "another-key", Duration::from_secs(3)).await;
     eprintln!("the same locker took another key {took:?} after the check");
@@ -213,7 +215,9 @@ async fn a_timed_out_acquisition_leaves_nothing_held_after_resume() {
     let a = node(backend(&server, RedisConfig::default()), "a");
     let key = "hung-acquire-orphan";
     give_up_on_a_hung_server(&server, &a, key).await.resume();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // No wait for the requests queued while the server was stopped: the
+    // check's fresh connection is accepted, then read, in the server's
+    // event-loop turns after the one that reads the queued requests.
     assert_free_or_late_attempt_of_a(key, key_state(&server, key));
 
     // Well below the 30 s ttl an attempt that landed late would have set.
@@ -245,7 +249,8 @@ async fn a_timed_out_acquisition_leaves_nothing_held_after_resume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_server_while_holding_loses_the_lock_after_its_validity() {
     let server = RedisServer::start().unwrap();
-    let a = node(backend(&server, RedisConfig::default()), "a");
+    let steps = CountingBackend::new(backend(&server, RedisConfig::default()));
+    let a = node(steps.clone(), "a");
     let key = "hung-held";
     let ttl = Duration::from_secs(1);
     let (started_tx, started) = oneshot::channel();
@@ -262,8 +267,13 @@ async fn a_hung_server_while_holding_loses_the_lock_after_its_validity() {
         }
     });
     let lost_token = within(LIMIT, "callback start", started).await.unwrap();
-    // Let at least one extension go through first.
-    tokio::time::sleep(ttl / 2).await;
+    // At least one extension goes through first.
+    within(
+        LIMIT,
+        "the first extension",
+        steps.until_answered(Step::Extend, 1),
+    )
+    .await;
 
     let paused = Paused::pause(&server);
     let paused_at = Instant::now();
@@ -374,8 +384,14 @@ async fn a_waiter_survives_a_hung_subscription() {
         noticed_after <= Duration::from_millis(500 + 300) + SLACK,
         "the hung subscription was noticed {noticed_after:?} after the pause"
     );
-    // Stay hung a little longer, through failed resubscriptions.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Stay hung through two failed resubscriptions.
+    let failed = backend.subscription_failures();
+    within(LIMIT, "two failed resubscriptions", async {
+        while backend.subscription_failures() < failed + 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
     paused.resume();
     let resumed_at = Instant::now();
     let after = within(LIMIT, "resubscription", async {
