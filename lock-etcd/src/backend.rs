@@ -20,7 +20,7 @@ use lock_core::{
 
 use crate::config::EtcdConfig;
 use crate::endpoints::{is_endpoint_failure, Again, Endpoints};
-use crate::error::{is_refusal, protocol, SetupError};
+use crate::error::{is_no_leader, is_refusal, protocol, SetupError};
 use crate::keepalive::KeepAlives;
 use crate::layout::{contender_key, contender_range, is_contender, record_key};
 use crate::watch::Watches;
@@ -75,6 +75,10 @@ impl EtcdBackend {
     /// # Errors
     ///
     /// - [`SetupError::InvalidConfig`] for a config that does not validate;
+    /// - [`SetupError::NoLeader`] when members answered within
+    ///   [`EtcdConfig::connect_timeout`] but none had a leader (an election
+    ///   under way: the check is tried again until the connect timeout, so
+    ///   a timeout above the election's 1 to 2 s rides it out);
     /// - [`SetupError::Connect`] when no endpoint answers within
     ///   [`EtcdConfig::connect_timeout`], or the connection fails (a TLS
     ///   client against a plain server, or the other way round);
@@ -119,8 +123,15 @@ impl EtcdBackend {
             }
         };
         let failover_after = config.failover_timeout.min(config.step_timeout);
+        // Whether a member said there is no leader: the timeout then says
+        // so, rather than the last endpoint's error (often the stopped
+        // leader's refused connection).
+        let leaderless = AtomicBool::new(false);
         let note = |error: etcd_client::Error| {
             tracing::debug!(error = %lock_core::ErrorChain(&error), "etcd did not grant the check's lease yet");
+            if is_no_leader(&error) {
+                leaderless.store(true, Ordering::Relaxed);
+            }
             *last.lock().unwrap_or_else(PoisonError::into_inner) = Some(error);
         };
         // The check is tried again until the connect timeout while the
@@ -182,10 +193,13 @@ impl EtcdBackend {
         let (endpoints, floor) = match tokio::time::timeout(config.connect_timeout, check).await {
             Ok(checked) => checked?,
             Err(_) => {
-                return Err(SetupError::Connect {
-                    endpoints: config.endpoints.clone(),
-                    source: last.lock().unwrap_or_else(PoisonError::into_inner).take(),
-                })
+                let endpoints = config.endpoints.clone();
+                let source = last.lock().unwrap_or_else(PoisonError::into_inner).take();
+                return Err(if leaderless.load(Ordering::Relaxed) {
+                    SetupError::NoLeader { endpoints, source }
+                } else {
+                    SetupError::Connect { endpoints, source }
+                });
             }
         };
         let endpoints = Arc::new(endpoints);

@@ -34,6 +34,20 @@ pub enum SetupError {
         #[source]
         source: Option<etcd_client::Error>,
     },
+    /// Members answered within the connect timeout, but none had a leader
+    /// to serve the check: an election under way (a leader stopped or
+    /// killed; a new one is normally elected within one or two election
+    /// timeouts, about 1 to 2 s), or a cluster that lost its quorum.
+    /// Trying again later, or with a longer
+    /// [`connect_timeout`](crate::EtcdConfig::connect_timeout), can succeed.
+    #[error("etcd at {endpoints:?} has no leader (an election under way, or no quorum)")]
+    NoLeader {
+        /// The endpoints tried.
+        endpoints: Vec<String>,
+        /// The last error etcd or the transport gave.
+        #[source]
+        source: Option<etcd_client::Error>,
+    },
     /// etcd refused the user name or password, or the user lacks a right
     /// the lock steps need (read, write and lease rights on the lock
     /// names).
@@ -55,6 +69,21 @@ pub(crate) fn is_refusal(error: &etcd_client::Error) -> bool {
             }
             _ => false,
         },
+        _ => false,
+    }
+}
+
+/// Whether a member answered that the cluster has no leader now (etcd's
+/// `no leader`, `leader changed`, or a proposal that timed out waiting for
+/// one), as it does during an election.
+pub(crate) fn is_no_leader(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => {
+            let message = status.message();
+            message.contains("no leader")
+                || message.contains("leader changed")
+                || message.contains("possibly due to previous leader failure")
+        }
         _ => false,
     }
 }

@@ -151,3 +151,34 @@ async fn a8_wrong_credentials_and_missing_rights_are_setup_errors() {
         .unwrap();
     assert!(second > first, "token {second} after {first}");
 }
+
+/// A cluster that answers but has no leader (two of three members killed:
+/// the third keeps campaigning) is `NoLeader` at the end of the connect
+/// timeout, not "could not reach" with the dead members' refused
+/// connections; with a connect timeout that outlasts the election, the
+/// same connect succeeds once a member is back and a leader elected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a8_a_cluster_without_a_leader_is_no_leader_not_unreachable() {
+    let cluster = EtcdCluster::start(3).await.unwrap();
+    cluster.kill(0);
+    cluster.kill(1);
+    let short = cluster.config().connect_timeout(Duration::from_secs(3));
+    let error = EtcdBackend::connect(short).await.unwrap_err();
+    assert!(matches!(error, SetupError::NoLeader { .. }), "{error:?}");
+    assert!(error.to_string().contains("has no leader"), "{error}");
+
+    // A connect made while the leader is missing, with room for the
+    // election: member 1 comes back meanwhile.
+    let patient = cluster.config().connect_timeout(Duration::from_secs(30));
+    let connecting = tokio::spawn(EtcdBackend::connect(patient));
+    cluster.restart(1).unwrap();
+    let backend = connecting
+        .await
+        .unwrap()
+        .expect("connected once a leader is elected");
+    let locker = Locker::new(backend);
+    locker
+        .with_lock("after-the-election", |_| async {})
+        .await
+        .expect("the lock works on the new leader");
+}

@@ -391,7 +391,9 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = duration)]
     pub(crate) ttl: Duration,
     /// Wait up to DURATION for a busy lock, then exit 75. Default: the
-    /// library's retries (10 more attempts 200 ms apart, about 2 s).
+    /// library's retries (10 more attempts 200 ms apart, about 2 s). The
+    /// wait counts from the start: on etcd it also bounds waiting for a
+    /// leader (at least etcd's connect timeout, 2 s).
     #[arg(long, value_name = "DURATION", value_parser = duration, group = "waiting")]
     pub(crate) wait: Option<Duration>,
     /// Try once: exit 75 at once if the lock is busy.

@@ -37,6 +37,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
         )));
     }
     let config = lock_config(&args)?;
+    let store_wait = store_wait(&args, &config);
     // Should withlock die, the group is ended before the lock can expire:
     // it was extended at most a third of the ttl before.
     let orphan_grace = args.grace.min(args.ttl / 3);
@@ -48,13 +49,17 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, Failure> {
     // Signals are ours from here on: forwarded, or the end of the wait.
     let mut signals = Signals::install()
         .map_err(|e| Failure::new(exit::SOFTWARE, format!("cannot handle signals: {e}")))?;
-    let store = Store::open(&args.store).await.map_err(did_not_run)?;
+    // The wait counts from here: `--wait` bounds the whole of it, a store
+    // waited for (etcd electing a leader) included.
+    let waited = Instant::now();
+    let store = Store::open_within(&args.store, store_wait)
+        .await
+        .map_err(did_not_run)?;
     let locker = store
         .locker(LockerOptions::default().node_id(node_id))
         .map_err(|e| Failure::usage(format!("--node-id: {}", ErrorChain(&e))))?;
 
     let shared = Arc::new(Shared::default());
-    let waited = Instant::now();
     let (done_tx, mut done_rx) = oneshot::channel();
     let callback = {
         let shared = Arc::clone(&shared);
@@ -485,6 +490,26 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
         e => Failure::usage(format!("--ttl: {e}")),
     })?;
     Ok(config)
+}
+
+/// How long opening the store may wait for it (etcd's leader): as long
+/// as the lock may be waited for, `--no-wait` not at all (the store's own
+/// connect timeout still applies), `--wait-forever` without end.
+fn store_wait(args: &RunArgs, config: &LockConfig) -> Duration {
+    if args.no_wait {
+        Duration::ZERO
+    } else if args.wait_forever {
+        // Far enough to be forever, near enough to add to an Instant.
+        Duration::from_secs(u64::from(u32::MAX))
+    } else if let Some(wait) = args.wait {
+        wait
+    } else {
+        // The library's retries: about 2 s.
+        match config.retry_attempts {
+            lock_core::RetryAttempts::Limited(n) => config.retry_delay.saturating_mul(n),
+            lock_core::RetryAttempts::Unlimited => Duration::from_secs(u64::from(u32::MAX)),
+        }
+    }
 }
 
 /// This host's name, for the node id and the record.

@@ -221,7 +221,7 @@ pub(crate) fn etcd_config(url: &str) -> Result<EtcdConfig, Failure> {
 
 /// A failure of connecting to etcd: an endpoint that is no URI is a
 /// usage failure (64), refused credentials or rights 77, no endpoint
-/// answering 69.
+/// answering or no leader 69.
 pub(crate) fn etcd_failure(error: &lock_etcd::SetupError) -> Failure {
     use lock_etcd::SetupError;
     match error {
@@ -236,6 +236,16 @@ pub(crate) fn etcd_failure(error: &lock_etcd::SetupError) -> Failure {
                 ),
             ..
         } => Failure::usage(format!("--url: invalid etcd URL: {}", etcd_words(source))),
+        SetupError::NoLeader { endpoints, source } => Failure::new(
+            exit::UNAVAILABLE,
+            format!(
+                "etcd at {} has no leader (an election under way, or no quorum){}",
+                endpoints.join(", "),
+                source
+                    .as_ref()
+                    .map_or_else(String::new, |e| format!(": {}", etcd_words(e)))
+            ),
+        ),
         SetupError::Refused(source) => Failure::new(
             exit::NO_PERMISSION,
             format!("{error}: {}", etcd_words(source)),

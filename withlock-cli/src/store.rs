@@ -3,6 +3,7 @@
 //! the same on every backend and deployment \[D1\].
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use lock_core::{DynLockBackend, LockAdmin, LockError, Locker, LockerOptions};
 use lock_etcd::EtcdBackend;
@@ -241,6 +242,16 @@ impl Store {
     /// here (etcd also grants and revokes a lease, so a user without the
     /// right to is refused here).
     pub(crate) async fn open(args: &StoreArgs) -> Result<Self, Failure> {
+        Self::open_within(args, Duration::ZERO).await
+    }
+
+    /// [`open`](Self::open) for a caller that may wait up to `wait` for
+    /// its lock: etcd, whose connect waits for a leader (after the leader
+    /// stopped or died, an election takes 1 to 2 s), waits for one within
+    /// the larger of `wait` and its connect timeout. The other stores
+    /// connect as `open` does: a server that does not answer is not
+    /// waited for.
+    pub(crate) async fn open_within(args: &StoreArgs, wait: Duration) -> Result<Self, Failure> {
         let redis_config = || RedisConfig::default().prefix(args.redis_prefix.clone());
         let bad_url =
             |e: lock_redis::SetupError| Failure::usage(format!("--url: {}", ErrorChain(&e)));
@@ -310,7 +321,8 @@ impl Store {
                 })
             }
             Scheme::Etcd => {
-                let config = setup::etcd_config(&args.url)?;
+                let mut config = setup::etcd_config(&args.url)?;
+                config.connect_timeout = config.connect_timeout.max(wait);
                 EtcdBackend::connect(config)
                     .await
                     .map(|b| Self::new("etcd", b))

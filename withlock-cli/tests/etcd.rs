@@ -539,3 +539,54 @@ async fn d2_a_name_etcdctl_lock_holds_is_busy_and_not_force_released() {
     .await;
     assert!(scratch.path("ran").exists(), "the command did not run");
 }
+
+/// etcd while it has no leader (two of three members killed; the third
+/// campaigns in vain until one is back): `--no-wait` waits only the
+/// connect timeout and exits 69 saying there is no leader, not that etcd
+/// is unreachable; `--wait 30s` waits past the connect timeout for the
+/// election, then runs the command \[A8\].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a8_run_waits_for_an_etcd_leader_within_its_wait() {
+    let cluster = EtcdCluster::start(3).await.unwrap();
+    cluster.kill(0);
+    cluster.kill(1);
+    let url = cluster.url();
+    let scratch = Scratch::new();
+    let ran = scratch.path("ran");
+    let ran_arg = ran.display().to_string();
+
+    let output = run_expecting(
+        &mut withlock([
+            "run",
+            "--url",
+            &url,
+            "--no-wait",
+            "--key",
+            "k",
+            "--",
+            "touch",
+            &ran_arg,
+        ]),
+        69,
+    )
+    .await;
+    let message = stderr(&output);
+    assert!(message.contains("has no leader"), "{message}");
+    assert!(!ran.exists(), "the command did not run");
+
+    let child = withlock([
+        "run", "--url", &url, "--wait", "30s", "--key", "k", "--", "touch", &ran_arg,
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let pid = i32::try_from(child.id().unwrap()).unwrap();
+    // The leader stays missing past the connect timeout (2 s): only a run
+    // that waits for it within its wait is still there.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(alive(pid), "withlock gave up before its wait was over");
+    cluster.restart(1).unwrap();
+    wait_expecting(child, 0).await;
+    assert!(ran.exists(), "the command ran once a leader was elected");
+}
