@@ -28,6 +28,7 @@ pub use cluster_subscription::SubscriptionStats;
 pub use config::{RedisConfig, SetupError};
 pub use deadpool_redis;
 pub use durability::Durability;
+pub use plumbing::errors::ServerReply;
 pub use redis;
 pub use sentinel::{RedisSentinelBackend, SentinelConfig};
 

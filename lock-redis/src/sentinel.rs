@@ -569,9 +569,7 @@ impl RedisSentinelBackend {
         match looked_up {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => {
-                let unknown = error
-                    .inner()
-                    .downcast_ref::<redis::RedisError>()
+                let unknown = crate::plumbing::errors::redis_error_of(error.inner())
                     .is_some_and(|e| e.kind() == ErrorKind::MasterNameNotFoundBySentinel);
                 return Err(if unknown {
                     SetupError::UnknownSentinelMaster {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{node, within};
 use lock_conformance::{CountingBackend, Step};
-use lock_core::{LockConfig, LockError, Locker};
+use lock_core::{ErrorChain, LockConfig, LockError, Locker, LossCause};
 use lock_redis::slot::key_slot;
 use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
 use lock_redis::{RedisClusterBackend, RedisConfig};
@@ -449,4 +449,50 @@ async fn a_migrated_slot_keeps_its_lock_and_wakes_its_waiter() {
         "woken after {lag:?} (retry delay {retry_delay:?})"
     );
     assert!(token > h.token);
+}
+
+/// What the README's advice on `cluster-require-full-coverage` is about:
+/// with Redis's default (`yes`), once a stopped master is marked failed
+/// and its slots are uncovered (here for good: it has no replica), every
+/// node answers `CLUSTERDOWN` to every command, so a lock on a healthy
+/// master can no longer be extended and is lost when its validity runs
+/// out \[L2\], with `CLUSTERDOWN` in its loss's error. (With `no`, the
+/// test clusters' setting, such locks are kept: see
+/// `l4_a_stopped_master_makes_only_its_own_locks_lost`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_full_coverage_required_a_stopped_master_costs_healthy_locks_with_clusterdown() {
+    let cluster = RedisCluster::start_with(3, 0).unwrap();
+    for server in cluster.nodes() {
+        let mut conn = server.client().unwrap().get_connection().unwrap();
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-require-full-coverage")
+            .arg("yes")
+            .query(&mut conn)
+            .unwrap();
+    }
+    let urls = cluster.urls();
+    let scratch = ScratchClusterBackend::new(&urls, RedisConfig::default());
+    let masters = cluster.master_ports().unwrap();
+    let victim = masters[0];
+    let key = keys_served(&cluster, &scratch, victim, false, 1).remove(0);
+    let holder = node(scratch, "holder");
+    let (_stop, stopped) = watch::channel(false);
+    let mut held = hold(&holder, &key, Duration::from_secs(1), &stopped).await;
+
+    cluster.node(victim).unwrap().pause().unwrap();
+    let got = within(LIMIT, "the healthy master's lock lost", &mut held.call)
+        .await
+        .unwrap();
+    cluster.node(victim).unwrap().resume().unwrap();
+    let cause = match got {
+        Err(LockError::Lost { cause, .. }) => cause,
+        other => panic!("expected the lock lost, got {other:?}"),
+    };
+    let LossCause::Backend(error) = &cause else {
+        panic!("expected a backend cause, got {cause:?}");
+    };
+    let words = ErrorChain(error).to_string();
+    eprintln!("lost: {words}");
+    assert!(words.contains("CLUSTERDOWN"), "{words}");
 }

@@ -14,9 +14,19 @@ use redis::AsyncCommands;
 
 const LIMIT: Duration = Duration::from_secs(10);
 
-/// What Redis said, as the chain must show it: the text of the Redis
-/// error in `error`'s chain.
+/// What Redis said, as the chain must show it: the server's reply where
+/// the backend kept it in its own words (`lock_redis::ServerReply`), else
+/// the text of the Redis error in `error`'s chain.
 fn redis_words(error: &LockError) -> String {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = next {
+        if let Some(backend) = e.downcast_ref::<lock_core::BackendError>() {
+            if let Some(reply) = backend.inner().downcast_ref::<lock_redis::ServerReply>() {
+                return reply.to_string();
+            }
+        }
+        next = e.source();
+    }
     redis_error_in(error)
         .unwrap_or_else(|| panic!("no Redis error in {error:?}"))
         .to_string()

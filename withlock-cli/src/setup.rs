@@ -111,7 +111,14 @@ fn refusal_of(error: &(dyn StdError + 'static)) -> Option<Refusal> {
             _ => None,
         };
     }
-    if let Some(redis) = error.downcast_ref::<lock_redis::redis::RedisError>() {
+    let redis = error
+        .downcast_ref::<lock_redis::redis::RedisError>()
+        .or_else(|| {
+            error
+                .downcast_ref::<lock_redis::ServerReply>()
+                .map(lock_redis::ServerReply::redis_error)
+        });
+    if let Some(redis) = redis {
         let text = redis.to_string();
         if redis.kind() == lock_redis::redis::ErrorKind::AuthenticationFailed
             || matches!(redis.code(), Some("NOPERM" | "WRONGPASS" | "NOAUTH"))

@@ -30,10 +30,7 @@ pub(crate) fn is_broken(error: &RedisError) -> bool {
 /// without an answer from Redis at all.
 pub(crate) fn step_broke(error: &BackendError) -> bool {
     error.is_timeout()
-        || error
-            .inner()
-            .downcast_ref::<RedisError>()
-            .is_none_or(is_broken)
+        || crate::plumbing::errors::redis_error_of(error.inner()).is_none_or(is_broken)
 }
 
 /// A new connection with `info`, made and answering within `timeout` (a

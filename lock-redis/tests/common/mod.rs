@@ -33,9 +33,15 @@ pub fn redis_error_in<'e>(
         if let Some(redis) = e.downcast_ref::<redis::RedisError>() {
             return Some(redis);
         }
+        if let Some(reply) = e.downcast_ref::<lock_redis::ServerReply>() {
+            return Some(reply.redis_error());
+        }
         if let Some(backend) = e.downcast_ref::<BackendError>() {
             if let Some(redis) = backend.inner().downcast_ref::<redis::RedisError>() {
                 return Some(redis);
+            }
+            if let Some(reply) = backend.inner().downcast_ref::<lock_redis::ServerReply>() {
+                return Some(reply.redis_error());
             }
         }
         next = e.source();
