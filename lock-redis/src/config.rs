@@ -373,8 +373,7 @@ pub(crate) fn connect_error(
     let inner = error.inner();
     let refused_by = if let Some(refused) = inner.downcast_ref::<AuthenticationRefused>() {
         refused.refused_by
-    } else if crate::plumbing::errors::redis_error_of(inner).is_some_and(is_auth_refusal)
-    {
+    } else if crate::plumbing::errors::redis_error_of(inner).is_some_and(is_auth_refusal) {
         refused_by
     } else {
         return SetupError::Connect(error);

@@ -46,9 +46,11 @@ impl std::error::Error for ServerReply {}
 pub(crate) fn redis_error_of<'e>(
     inner: &'e (dyn std::error::Error + Send + Sync + 'static),
 ) -> Option<&'e redis::RedisError> {
-    inner
-        .downcast_ref::<redis::RedisError>()
-        .or_else(|| inner.downcast_ref::<ServerReply>().map(ServerReply::redis_error))
+    inner.downcast_ref::<redis::RedisError>().or_else(|| {
+        inner
+            .downcast_ref::<ServerReply>()
+            .map(ServerReply::redis_error)
+    })
 }
 
 /// Maps a Redis error to a backend error, keeping it as the source (in a
