@@ -11,7 +11,7 @@ use crate::admin::{
 use crate::cluster::RedisClusterBackend;
 use crate::cluster_nodes::Lane;
 use crate::plumbing::scripts::{Lua, ADMIN_FORCE_RELEASE, ADMIN_READ};
-use crate::slot::fence_key;
+use crate::slot::{fence_key, kept_key};
 
 /// Lists, inspects and force-releases locks on the cluster, with the
 /// keys, scripts and answers of [`RedisBackend`](crate::RedisBackend)'s
@@ -67,10 +67,7 @@ impl LockAdmin for RedisClusterBackend {
         let mut held = Vec::new();
         for chunk in keys.chunks(BATCH) {
             let reads = chunk.iter().map(|key| async move {
-                let fence = fence_key(key);
-                let answer: Read = self
-                    .admin_script("read", &ADMIN_READ, key, &fence, &[])
-                    .await?;
+                let answer: Read = self.admin_script("read", &ADMIN_READ, key, &[]).await?;
                 info(prefix, key, answer)
             });
             for info in futures_util::future::try_join_all(reads).await? {
@@ -84,23 +81,20 @@ impl LockAdmin for RedisClusterBackend {
 
     async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
-        let fence = fence_key(&lock_key);
         let answer: Read = self
-            .admin_script("inspect", &ADMIN_READ, &lock_key, &fence, &[])
+            .admin_script("inspect", &ADMIN_READ, &lock_key, &[])
             .await?;
         info(&self.config().prefix, &lock_key, answer)
     }
 
     async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let lock_key = self.lock_key(key);
-        let fence = fence_key(&lock_key);
         let channel = self.channel(key);
         let answer: Forced = self
             .admin_script(
                 "force release",
                 &ADMIN_FORCE_RELEASE,
                 &lock_key,
-                &fence,
                 &["SPUBLISH", &channel, &self.config().fence_idle_ms()],
             )
             .await?;
@@ -109,18 +103,19 @@ impl LockAdmin for RedisClusterBackend {
 }
 
 impl RedisClusterBackend {
-    /// Runs an admin script on the master of `lock_key`'s slot, within the
-    /// step timeout.
+    /// Runs an admin script on the master of `lock_key`'s slot, with the
+    /// lock key, its fencing companion and its hold's record as keys,
+    /// within the step timeout.
     async fn admin_script<T: redis::FromRedisValue>(
         &self,
         step: &'static str,
         lua: &'static Lua,
         lock_key: &str,
-        fence: &str,
         args: &[&str],
     ) -> Result<T, BackendError> {
+        let (fence, kept) = (fence_key(lock_key), kept_key(lock_key));
         let answer: Value = self
-            .eval(step, Lane::Steps, lua, &[lock_key, fence], args)
+            .eval(step, Lane::Steps, lua, &[lock_key, &fence, &kept], args)
             .await?;
         redis::from_redis_value(&answer)
             .map_err(|e| BackendError::new(BackendErrorKind::Protocol, e))
