@@ -17,9 +17,11 @@
 -- format compares with its token; nothing else of it changes.
 --
 -- Written only when the lock key holds the owner token (the extension
--- below then succeeds). pcall: a user whose ACL does not reach the
--- record's name still holds the key to its minimum; the admin then shows
--- the lock as running.
+-- below then succeeds). pcall: a record that cannot be written (a server
+-- out of memory refuses the SET) leaves the hold as it is; the admin then
+-- shows the lock as running. A user whose ACL does not reach the record's
+-- name is refused the whole call before it runs (the server checks the
+-- declared keys): the backend then sends extend.lua alone.
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     redis.pcall('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 end

@@ -23,7 +23,7 @@ use crate::cluster_batch::{Batchers, Kind};
 use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
-use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, HOLD, RELEASE_SHARDED};
@@ -832,21 +832,22 @@ impl LockBackend for RedisClusterBackend {
     /// One script on the key's master.
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
+        let keys = [&*lock_key, &fence, &kept];
         let ttl = hold.from_now.max(Duration::from_millis(1));
-        let value = self
-            .eval(
-                "hold",
-                Lane::Steps,
-                &HOLD,
-                &[&lock_key, &fence_key(&lock_key), &kept_key(&lock_key)],
-                &[
-                    lease.owner().as_str(),
-                    &ttl_ms(ttl),
-                    &self.inner.config.fence_ttl_ms(ttl),
-                    &lease.fencing_token().to_string(),
-                ],
-            )
-            .await?;
+        let (ttl, fence_ttl) = (ttl_ms(ttl), self.inner.config.fence_ttl_ms(ttl));
+        let token = lease.fencing_token().to_string();
+        let args = [lease.owner().as_str(), &ttl, &fence_ttl, &token];
+        let value = match self.eval("hold", Lane::Steps, &HOLD, &keys, &args).await {
+            // A user whose ACL does not reach the record: the hold
+            // without it (the script did not run).
+            Err(error) if is_key_refused(&error) => {
+                tracing::debug!(key = %lease.key(), "the ACL refuses the minimum hold's record; holding without it");
+                self.eval("hold", Lane::Steps, &EXTEND, &keys[..2], &args)
+                    .await?
+            }
+            value => value?,
+        };
         extend_outcome(script_number("hold", value)?)
     }
 

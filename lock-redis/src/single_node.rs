@@ -26,7 +26,7 @@ use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
-use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, HOLD, RELEASE, RELEASE_BATCH};
@@ -813,20 +813,21 @@ impl<S: Source> SingleNode<S> {
         hold: Hold,
     ) -> Result<ExtendOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
+        let keys = [&*lock_key, &fence, &kept];
         let ttl = hold.from_now.max(Duration::from_millis(1));
-        let answer = self
-            .run_script(
-                "hold",
-                &HOLD,
-                &[&lock_key, &fence_key(&lock_key), &kept_key(&lock_key)],
-                &[
-                    lease.owner().as_str(),
-                    &ttl_ms(ttl),
-                    &self.inner.config.fence_ttl_ms(ttl),
-                    &lease.fencing_token().to_string(),
-                ],
-            )
-            .await?;
+        let (ttl, fence_ttl) = (ttl_ms(ttl), self.inner.config.fence_ttl_ms(ttl));
+        let token = lease.fencing_token().to_string();
+        let args = [lease.owner().as_str(), &ttl, &fence_ttl, &token];
+        let answer = match self.run_script("hold", &HOLD, &keys, &args).await {
+            // A user whose ACL does not reach the record: the hold
+            // without it (the script did not run).
+            Err(error) if is_key_refused(&error) => {
+                tracing::debug!(key = %lease.key(), "the ACL refuses the minimum hold's record; holding without it");
+                self.run_script("hold", &EXTEND, &keys[..2], &args).await?
+            }
+            answer => answer?,
+        };
         extend_outcome(answer)
     }
 
