@@ -6,7 +6,9 @@ use lock_core::AdminError;
 
 use crate::args::{InspectArgs, ListArgs, MigrateArgs, ReleaseArgs, StatusArgs};
 use crate::exit::{Failure, NOT_A_LOCK, USAGE};
-use crate::format::{details, table, ttl_text, view_json, Shown};
+use std::time::SystemTime;
+
+use crate::format::{details, kept_text, table, ttl_text, view_json, Shown};
 use crate::store::{Scheme, Store};
 
 /// `withlock list`: the locks held now.
@@ -18,13 +20,14 @@ pub(crate) async fn list(args: ListArgs) -> Result<u8, Failure> {
         .list_locks(&args.prefix)
         .await
         .map_err(|e| Failure::backend(store.name(), &e))?;
+    let now = SystemTime::now();
     if args.json {
-        let all: Vec<_> = views.iter().map(view_json).collect();
+        let all: Vec<_> = views.iter().map(|v| view_json(v, now)).collect();
         println!("{}", serde_json::Value::Array(all));
     } else if views.is_empty() {
         println!("no locks held");
     } else {
-        print!("{}", table(&views));
+        print!("{}", table(&views, now));
     }
     Ok(0)
 }
@@ -39,9 +42,9 @@ pub(crate) async fn inspect(args: InspectArgs) -> Result<u8, Failure> {
         .await
         .map_err(|e| Failure::backend(store.name(), &e))?;
     if args.json {
-        println!("{}", view_json(&view));
+        println!("{}", view_json(&view, SystemTime::now()));
     } else {
-        print!("{}", details(&view));
+        print!("{}", details(&view, SystemTime::now()));
     }
     Ok(0)
 }
@@ -72,10 +75,12 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
     match freed {
         Some(view) => {
             let node = view.node_id().unwrap_or_default();
-            let ttl = view.ttl.map_or_else(
-                || "no expiry".to_owned(),
-                |t| format!("{} left", ttl_text(t)),
-            );
+            let ttl = kept_text(&view, SystemTime::now()).unwrap_or_else(|| {
+                view.ttl.map_or_else(
+                    || "no expiry".to_owned(),
+                    |t| format!("{} left", ttl_text(t)),
+                )
+            });
             println!(
                 "released {}, held by {} ({ttl})",
                 Shown(&args.key),
@@ -98,22 +103,33 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, Failure> {
         .await
         .map_err(|e| Failure::backend(store.name(), &e))?;
     let held = view.is_held();
+    let now = SystemTime::now();
     if args.json {
-        println!("{}", view_json(&view));
+        println!("{}", view_json(&view, now));
     } else if held {
         let node = view.node_id().unwrap_or_default();
-        let left = view.ttl.map_or_else(
-            || "no expiry".to_owned(),
-            |t| format!("{} left", ttl_text(t)),
-        );
         let token = view
             .fencing_token
             .map_or_else(|| "none".to_owned(), |t| t.to_string());
-        println!(
-            "{} is held by {} (fencing token {token}, {left})",
-            Shown(&args.key),
-            Shown(node)
-        );
+        match kept_text(&view, now) {
+            // [H7] Its run ended: held to its minimum, nothing runs.
+            Some(kept) => println!(
+                "{} is held by {} (fencing token {token}), {kept}",
+                Shown(&args.key),
+                Shown(node)
+            ),
+            None => {
+                let left = view.ttl.map_or_else(
+                    || "no expiry".to_owned(),
+                    |t| format!("{} left", ttl_text(t)),
+                );
+                println!(
+                    "{} is held by {} (fencing token {token}, {left})",
+                    Shown(&args.key),
+                    Shown(node)
+                );
+            }
+        }
     } else {
         println!("{} is free", Shown(&args.key));
     }
