@@ -11,25 +11,59 @@ use std::time::SystemTime;
 use crate::format::{details, kept_text, table, ttl_text, view_json, Shown};
 use crate::store::{Scheme, Store};
 
-/// `withlock list`: the locks held now.
+/// `withlock list`: the locks held now. On a store of several parts (a
+/// Redis Cluster's masters) of which some did not answer, the locks of
+/// those that did, and on stderr one warning per part that did not
+/// (`--json`: one object, `{"unreachable": [{"node", "error"}]}`); the
+/// exit code is then that part's error's (69 for one that does not
+/// answer), never 0, so that a script does not take the list for whole.
 pub(crate) async fn list(args: ListArgs) -> Result<u8, Failure> {
     Scheme::of(&args.store.url)?;
     let store = Store::open(&args.store).await?;
-    let views = store
+    let listed = store
         .admin()
-        .list_locks(&args.prefix)
+        .list_locks_partial(&args.prefix)
         .await
         .map_err(|e| Failure::backend(store.name(), &e))?;
+    let views = &listed.locks;
     let now = SystemTime::now();
     if args.json {
         let all: Vec<_> = views.iter().map(|v| view_json(v, now)).collect();
         println!("{}", serde_json::Value::Array(all));
-    } else if views.is_empty() {
+    } else if views.is_empty() && listed.is_whole() {
         println!("no locks held");
+    } else if views.is_empty() {
+        println!("no locks held where the store answered");
     } else {
-        print!("{}", table(&views, now));
+        print!("{}", table(views, now));
     }
-    Ok(0)
+    let mut code = 0;
+    let mut unreachable = Vec::new();
+    for part in &listed.unreachable {
+        let failure = Failure::backend(
+            &format!(
+                "warning: {}: {} did not answer, its locks are not listed",
+                store.name(),
+                part.node
+            ),
+            &part.error,
+        );
+        if code == 0 {
+            code = failure.code;
+        }
+        if args.json {
+            unreachable.push(serde_json::json!({
+                "node": part.node,
+                "error": lock_core::ErrorChain(&part.error).to_string(),
+            }));
+        } else {
+            eprintln!("withlock: {}", failure.message);
+        }
+    }
+    if !unreachable.is_empty() {
+        eprintln!("{}", serde_json::json!({ "unreachable": unreachable }));
+    }
+    Ok(code)
 }
 
 /// `withlock inspect`: one key.
