@@ -109,14 +109,19 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, Failure> {
     match freed {
         Some(view) => {
             let node = view.node_id().unwrap_or_default();
-            let ttl = kept_text(&view, SystemTime::now()).unwrap_or_else(|| {
-                view.ttl.map_or_else(
-                    || "no expiry".to_owned(),
-                    |t| format!("{} left", ttl_text(t)),
-                )
-            });
+            // [H7] A job that ran already, kept to its minimum.
+            let ttl = kept_text(&view, SystemTime::now()).map_or_else(
+                || {
+                    let left = view.ttl.map_or_else(
+                        || "no expiry".to_owned(),
+                        |t| format!("{} left", ttl_text(t)),
+                    );
+                    format!(" ({left})")
+                },
+                |kept| format!(", {kept}"),
+            );
             println!(
-                "released {}, held by {} ({ttl})",
+                "released {}, held by {}{ttl}",
                 Shown(&args.key),
                 Shown(node)
             );

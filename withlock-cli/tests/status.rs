@@ -193,7 +193,7 @@ async fn h7_status_list_and_inspect_tell_a_kept_lock_from_a_running_job(store: S
 
     let text = out(&store, &["release", "--force", &kept], 0).await;
     assert!(
-        text.contains("held by host-one (kept until") && text.contains("after its run ended"),
+        text.contains("held by host-one, kept until") && text.contains("after its run ended"),
         "{text}"
     );
     second.end().await;
