@@ -346,7 +346,7 @@ async fn admin_commands_work_on_a_cluster_url() {
 /// within the step timeout (2 s) and some margin. A cluster of this
 /// test's own: 3 masters, no replicas, so nothing fails over meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn list_on_a_cluster_names_a_master_that_does_not_answer() {
+async fn d1_list_on_a_cluster_names_a_master_that_does_not_answer() {
     use lock_redis::testing::RedisCluster;
     use std::time::{Duration, Instant};
 
