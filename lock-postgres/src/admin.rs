@@ -108,8 +108,8 @@ impl LockAdmin for PostgresBackend {
              WHERE {HELD} AND left(l.key, char_length($1)) = $1 AND NOT {record} \
              ORDER BY l.key COLLATE \"C\"",
             columns = columns("l.key"),
-            kept = kept_join(&table),
-            record = is_record(&table),
+            kept = kept_join(table),
+            record = is_record(table),
         );
         let rows = self
             .admin_step(
@@ -126,7 +126,7 @@ impl LockAdmin for PostgresBackend {
             "{NOW} SELECT {columns} \
              FROM now LEFT JOIN {table} AS l ON l.key = $1 {kept}",
             columns = columns("$1::text"),
-            kept = kept_join(&table),
+            kept = kept_join(table),
         );
         let row = self
             .admin_step(
@@ -170,7 +170,7 @@ impl LockAdmin for PostgresBackend {
              SELECT {columns}, l.verdict, {announce} AS announced \
              FROM verdict AS l CROSS JOIN now {kept}",
             columns = columns("l.key"),
-            kept = kept_join(&table),
+            kept = kept_join(table),
         );
         let mut query = sqlx::query(&sql).bind(key);
         if notify {

@@ -332,7 +332,7 @@ pub async fn h7_the_admin_tells_a_kept_lock_from_a_running_one(factory: Arc<dyn 
         let locker = node(Arc::clone(&store.backend), name);
         let (running_tx, running) = tokio::sync::oneshot::channel();
         let (go, go_rx) = tokio::sync::oneshot::channel::<()>();
-        let (k, cfg) = (key.clone(), cfg.clone());
+        let (k, cfg) = (key.clone(), cfg);
         let call = tokio::spawn(async move {
             locker
                 .with_lock_config(&k, &cfg, move |ctx| async move {
