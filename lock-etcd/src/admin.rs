@@ -225,6 +225,10 @@ impl EtcdBackend {
             Ok(value) => OwnerToken::from_value(value),
             Err(_) => OwnerToken::from_value("<bytes>"),
         };
+        // [H7] Only the hold step puts a contender key on another lease
+        // than its name gives; a step that ever does so too (a queued
+        // waiter's key moved to its lock's lease) must record the hold
+        // otherwise.
         let kept = kv.lease() != 0
             && lease_of_key(&name, kv.key()).is_some_and(|named| named != kv.lease())
             && OwnerToken::is_well_formed(owner.as_str());
