@@ -68,6 +68,7 @@ macro_rules! __with_cases {
             h7_no_extension_in_flight_moves_the_minimum,
             h7_the_hold_step_is_owed_like_a_release,
             h7_shutdown_keeps_minimums_and_releases_cut_callbacks,
+            h7_the_admin_tells_a_kept_lock_from_a_running_one,
             l1_key_gone_while_valid_is_lost_as_taken,
             l1_taken_key_is_lost_at_next_extension,
             l2_extension_errors_retry_then_lose,

@@ -36,6 +36,15 @@ pub struct LockInfo {
     /// When the key is free: its last holder, where the store still has it
     /// (PostgreSQL keeps the row); `None` elsewhere.
     pub last_owner: Option<OwnerToken>,
+    /// When the holder's run has ended and the key is kept to the end of
+    /// its minimum hold \[H7\] ([`hold_at_least`](crate::LockConfig::hold_at_least)):
+    /// how long until that end, when the key expires and anyone may take
+    /// it. `None` while its holder runs (and extends it), when the key is
+    /// free, and for a lock of another client. Every backend of the
+    /// workspace records the hold where its hold step runs (each one's
+    /// README says where); a backend that records nothing shows `None`,
+    /// as for a running job.
+    pub minimum_hold_left: Option<Duration>,
 }
 
 impl LockInfo {
@@ -48,6 +57,7 @@ impl LockInfo {
             fencing_token: None,
             held_for: None,
             last_owner: None,
+            minimum_hold_left: None,
         }
     }
 
@@ -81,9 +91,23 @@ impl LockInfo {
         self
     }
 
+    /// Sets [`LockInfo::minimum_hold_left`].
+    #[must_use]
+    pub fn with_minimum_hold_left(mut self, left: Option<Duration>) -> Self {
+        self.minimum_hold_left = left;
+        self
+    }
+
     /// Whether the key is held now.
     pub fn is_held(&self) -> bool {
         self.owner.is_some()
+    }
+
+    /// Whether the key is held only by its minimum hold \[H7\]: its
+    /// holder's run has ended, and the key is left to expire when the hold
+    /// ends ([`LockInfo::minimum_hold_left`] from now).
+    pub fn is_kept(&self) -> bool {
+        self.is_held() && self.minimum_hold_left.is_some()
     }
 
     /// The node id part of the holder's owner token.
@@ -120,6 +144,61 @@ pub enum AdminError {
     Backend(#[from] BackendError),
 }
 
+/// What a listing found: the locks held in every part of the store that
+/// answered, and the parts that did not, for
+/// [`LockAdmin::list_locks_partial`].
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct LockList {
+    /// The locks held now, ordered by key, of the parts that answered.
+    pub locks: Vec<LockInfo>,
+    /// The parts of the store whose locks are missing from
+    /// [`LockList::locks`] because they did not answer; empty when the
+    /// listing is whole.
+    pub unreachable: Vec<Unreachable>,
+}
+
+impl LockList {
+    /// A whole listing: every part of the store answered.
+    pub fn whole(locks: Vec<LockInfo>) -> Self {
+        Self {
+            locks,
+            unreachable: Vec::new(),
+        }
+    }
+
+    /// A listing of the parts that answered, `unreachable` naming the others.
+    pub fn partial(locks: Vec<LockInfo>, unreachable: Vec<Unreachable>) -> Self {
+        Self { locks, unreachable }
+    }
+
+    /// Whether every part of the store answered.
+    pub fn is_whole(&self) -> bool {
+        self.unreachable.is_empty()
+    }
+}
+
+/// A part of the store that did not answer a listing (a Redis Cluster
+/// master), and why.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Unreachable {
+    /// The part, as the store names it (a Cluster master's `host:port`).
+    pub node: String,
+    /// What it answered, or the timeout it ran into.
+    pub error: BackendError,
+}
+
+impl Unreachable {
+    /// `node` did not answer, with `error`.
+    pub fn new(node: impl Into<String>, error: BackendError) -> Self {
+        Self {
+            node: node.into(),
+            error,
+        }
+    }
+}
+
 /// The operator's functions of a lock store \[D1\]: list, inspect and force
 /// release. For tools such as the `withlock` command; the lock steps never
 /// use them.
@@ -135,6 +214,17 @@ pub enum AdminError {
 ///   release on the backend's release notifications where it has them, so
 ///   that the holder learns of it at once \[L5\] and waiters get the key.
 ///   It returns what it freed, `None` when the key was free.
+/// - `list_locks_partial` is `list_locks` for a store of several parts
+///   that answer on their own (a Redis Cluster's masters): where some part
+///   fails or does not answer within the backend's step timeout, it gives
+///   the locks of the parts that answered and names the others
+///   ([`LockList::unreachable`]), where `list_locks` fails as a whole. Its
+///   default calls `list_locks` and gives a whole list, which is right for
+///   a store that answers as one; a backend of several parts overrides it.
+/// - A lock whose holder's run ended before its minimum hold \[H7\] is
+///   held until that hold ends; `list_locks` and `inspect` show it held,
+///   with [`LockInfo::minimum_hold_left`], where the store records the
+///   hold.
 ///
 /// # Cancel safety
 ///
@@ -144,6 +234,15 @@ pub enum AdminError {
 pub trait LockAdmin: Send + Sync {
     /// The locks held now whose key starts with `prefix`, ordered by key.
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError>;
+
+    /// The locks held now whose key starts with `prefix`, ordered by key,
+    /// from every part of the store that answers, naming those that do not.
+    /// Fails as a whole only when nothing could be listed (the store's
+    /// layout could not be read, or no part answered). Default: a whole
+    /// [`list_locks`](Self::list_locks).
+    async fn list_locks_partial(&self, prefix: &str) -> Result<LockList, BackendError> {
+        self.list_locks(prefix).await.map(LockList::whole)
+    }
 
     /// The state of `key`.
     async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError>;
@@ -183,6 +282,14 @@ macro_rules! forward_lock_admin {
             ) -> ::std::result::Result<::std::vec::Vec<$crate::LockInfo>, $crate::BackendError> {
                 let $this = self;
                 $crate::LockAdmin::list_locks($inner, prefix).await
+            }
+
+            async fn list_locks_partial(
+                &self,
+                prefix: &str,
+            ) -> ::std::result::Result<$crate::LockList, $crate::BackendError> {
+                let $this = self;
+                $crate::LockAdmin::list_locks_partial($inner, prefix).await
             }
 
             async fn inspect(

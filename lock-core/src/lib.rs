@@ -20,7 +20,7 @@ mod registry;
 mod release;
 mod task;
 
-pub use admin::{AdminError, LockAdmin, LockInfo};
+pub use admin::{AdminError, LockAdmin, LockInfo, LockList, Unreachable};
 pub use backend::{
     batch_results, AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest,
     Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,

@@ -11,8 +11,8 @@
 pub mod __reexported {
     pub use crate::{
         AdminError, BackendError, BackendErrorKind, DynLockBackend, InvalidInput, LockAdmin,
-        LockBackend, LockConfig, LockContext, LockError, LockHandle, LockInfo, Locker,
-        LockerOptions, LossCause, OwnerToken, RetryAttempts, ShutdownReport,
+        LockBackend, LockConfig, LockContext, LockError, LockHandle, LockInfo, LockList, Locker,
+        LockerOptions, LossCause, OwnerToken, RetryAttempts, ShutdownReport, Unreachable,
     };
     #[allow(deprecated)]
     pub use crate::{Mutex, MutexConfig};
@@ -31,7 +31,8 @@ pub mod __reexported {
 /// [`ShutdownReport`](crate::ShutdownReport),
 /// [`OwnerToken`](crate::OwnerToken) (which [`LockInfo`](crate::LockInfo)
 /// carries), the admin API ([`LockAdmin`](crate::LockAdmin),
-/// [`LockInfo`](crate::LockInfo), [`AdminError`](crate::AdminError)), the
+/// [`LockInfo`](crate::LockInfo), [`LockList`](crate::LockList),
+/// [`Unreachable`](crate::Unreachable), [`AdminError`](crate::AdminError)), the
 /// backend trait ([`LockBackend`](crate::LockBackend),
 /// [`DynLockBackend`](crate::DynLockBackend)) and the deprecated
 /// [`Mutex`](crate::Mutex) / [`MutexConfig`](crate::MutexConfig).

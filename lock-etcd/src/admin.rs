@@ -8,7 +8,9 @@ use lock_core::{async_trait, AdminError, BackendError, LockAdmin, LockInfo, Owne
 
 use crate::backend::EtcdBackend;
 use crate::endpoints::Again;
-use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECORDS};
+use crate::layout::{
+    contender_range, is_contender, lease_of_key, name_of_key, record_key, RECORDS,
+};
 
 /// Lists, inspects and force-releases locks in etcd's `Mutex` layout.
 ///
@@ -22,7 +24,12 @@ use crate::layout::{contender_range, is_contender, name_of_key, record_key, RECO
 ///   beside the layout; a lock that expired, or that another client
 ///   released, leaves none, and so does a release by a user without
 ///   rights on the records \[D3\]: a user who may not read them sees no
-///   token for a free name).
+///   token for a free name). A withlock holder whose run ended before its
+///   minimum hold \[H7\] shows [`LockInfo::minimum_hold_left`], its lease's
+///   remaining ttl: the hold step moved its key onto a lease of the hold's
+///   time left, so the key is on another lease than the one its name
+///   (`<name>/<lease hex>`) gives, which no acquisition does (etcd's own
+///   clients always put their key on the lease it names).
 /// - `force_release`: deletes the holder's key (if it has not changed
 ///   since it was read) and revokes its lease, only when its value is a
 ///   withlock owner token \[D2\]: a holder of another client is refused.
@@ -197,7 +204,9 @@ impl EtcdBackend {
     }
 
     /// What the admin shows of a holder: its value, its lease's remaining
-    /// ttl, its create revision.
+    /// ttl, its create revision; and, for a withlock holder whose key is on
+    /// another lease than the one its name gives (the hold step moved it
+    /// there \[H7\]), that ttl as the minimum hold's time left.
     async fn info(&self, name: String, kv: &KeyValue) -> Result<LockInfo, BackendError> {
         let ttl = if kv.lease() == 0 {
             None
@@ -216,7 +225,15 @@ impl EtcdBackend {
             Ok(value) => OwnerToken::from_value(value),
             Err(_) => OwnerToken::from_value("<bytes>"),
         };
+        // [H7] Only the hold step puts a contender key on another lease
+        // than its name gives; a step that ever does so too (a queued
+        // waiter's key moved to its lock's lease) must record the hold
+        // otherwise.
+        let kept = kv.lease() != 0
+            && lease_of_key(&name, kv.key()).is_some_and(|named| named != kv.lease())
+            && OwnerToken::is_well_formed(owner.as_str());
         Ok(LockInfo::held(name, owner, ttl)
-            .with_fencing_token(u64::try_from(kv.create_revision()).ok()))
+            .with_fencing_token(u64::try_from(kv.create_revision()).ok())
+            .with_minimum_hold_left(ttl.filter(|_| kept)))
     }
 }

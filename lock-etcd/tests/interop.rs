@@ -173,3 +173,63 @@ async fn mutex_interop_withlock_holds_etcdctl_waits_until_the_release() {
     assert!(got.as_ref().is_err_and(|e| e.is_busy()), "{got:?}");
     etcdctl.stop().await;
 }
+
+/// \[H7, D1\] A lock kept by its minimum hold stays in etcd's layout: its
+/// key keeps its name, `<name>/<first lease hex>`, and its value, on the
+/// hold's own lease, and `etcdctl lock` waits for it until that lease
+/// ends. The admin tells it kept by that move alone (the key is on another
+/// lease than its name gives, which no acquisition does), and shows
+/// etcdctl's holder, whose key is on the lease it names, as running.
+#[tokio::test]
+async fn h7_a_kept_lock_is_on_another_lease_than_its_name_gives() {
+    use lock_etcd::lock_core::LockAdmin;
+
+    let cluster = shared_server().await;
+    let backend = cluster.backend().await;
+    let name = lock_conformance::Namespace::new().key("kept");
+    let hold = Duration::from_secs(3);
+    let cfg = LockConfig::default().retry_attempts(0).hold_at_least(hold);
+    let started = tokio::time::Instant::now();
+    node(&backend, "a")
+        .with_lock_config(&name, &cfg, |_| async {})
+        .await
+        .expect("the run and its hold step");
+    let read = backend
+        .client()
+        .kv_client()
+        .get(format!("{name}/"), Some(GetOptions::new().with_prefix()))
+        .await
+        .unwrap();
+    let [kv] = read.kvs() else {
+        panic!("one contender key: {:?}", read.kvs());
+    };
+    let key = String::from_utf8_lossy(kv.key()).into_owned();
+    let named = i64::from_str_radix(key.rsplit_once('/').unwrap().1, 16).unwrap();
+    assert_ne!(kv.lease(), named, "moved to the hold's lease: {key}");
+    let info = backend.inspect(&name).await.unwrap();
+    assert!(info.is_kept(), "{info:?}");
+    assert_eq!(
+        info.owner.as_ref().map(|o| o.as_str().as_bytes()),
+        Some(kv.value()),
+        "the key's value is the holder's owner token"
+    );
+    assert_eq!(info.minimum_hold_left, info.ttl);
+    let listed = backend.list_locks(&name).await.unwrap();
+    assert!(listed.len() == 1 && listed[0].is_kept(), "{listed:?}");
+
+    let mut etcdctl = Etcdctl::start(cluster, &name);
+    let their_key = etcdctl.held().await;
+    assert!(
+        started.elapsed() >= hold - Duration::from_millis(100),
+        "etcdctl got the name {:?} after the run, before its minimum hold",
+        started.elapsed()
+    );
+    let info = backend.inspect(&name).await.unwrap();
+    assert!(info.is_held() && !info.is_kept(), "{info:?}");
+    assert_eq!(
+        info.owner.as_ref().map(|o| o.as_str()),
+        Some("<etcd mutex>")
+    );
+    assert!(their_key.starts_with(&format!("{name}/")), "{their_key}");
+    etcdctl.stop().await;
+}

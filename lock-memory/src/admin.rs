@@ -12,7 +12,10 @@ use crate::{Holder, MemoryBackend, State};
 /// does. Every lock here has an expiry; one whose owner token is not in
 /// withlock's format (given to `try_acquire` by hand) is refused by
 /// `force_release` \[D2\]. Fencing tokens are kept per key while its entry
-/// is (see [`KEPT_FREE`](crate::KEPT_FREE)).
+/// is (see [`KEPT_FREE`](crate::KEPT_FREE)). A lock whose holder's run
+/// ended before its minimum hold \[H7\] is recorded so in its entry by the
+/// hold step, and shows its hold's time left as
+/// [`LockInfo::minimum_hold_left`].
 #[async_trait]
 impl LockAdmin for MemoryBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
@@ -66,11 +69,11 @@ impl LockAdmin for MemoryBackend {
 /// What `holder`, the entry of `key`, shows at `now`.
 fn info(key: &str, holder: &Holder, now: Instant) -> LockInfo {
     let info = match &holder.owner {
-        Some(owner) if holder.expires_at > now => LockInfo::held(
-            key,
-            OwnerToken::from_value(owner.as_str()),
-            Some(holder.expires_at - now),
-        ),
+        Some(owner) if holder.expires_at > now => {
+            let left = holder.expires_at - now;
+            LockInfo::held(key, OwnerToken::from_value(owner.as_str()), Some(left))
+                .with_minimum_hold_left(holder.kept.then_some(left))
+        }
         _ => LockInfo::free(key),
     };
     info.with_fencing_token(Some(holder.fencing_token))

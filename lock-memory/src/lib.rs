@@ -73,6 +73,10 @@ struct Holder {
     expires_at: Instant,
     /// The fencing token of the entry's last acquisition, for the admin.
     fencing_token: u64,
+    /// Whether the holder's run ended and the entry is kept to the end of
+    /// its minimum hold \[H7\] (`expires_at`), for the admin. Set by the
+    /// hold step, cleared by the next acquisition.
+    kept: bool,
 }
 
 impl MemoryBackend {
@@ -137,6 +141,7 @@ impl MemoryBackend {
             owner: Some(owner.clone()),
             expires_at: now + ttl,
             fencing_token: *fence + 1,
+            kept: false,
         };
         match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().expires_at > now => {
@@ -232,7 +237,15 @@ impl MemoryBackend {
         }
     }
 
-    fn extend_one(state: &mut State, lease: &Lease, ttl: Duration, now: Instant) -> ExtendOutcome {
+    /// Extends `lease` to `ttl` from `now`; `kept`: the step is the hold
+    /// step \[H7\], recorded for the admin.
+    fn extend_one(
+        state: &mut State,
+        lease: &Lease,
+        ttl: Duration,
+        now: Instant,
+        kept: bool,
+    ) -> ExtendOutcome {
         let State { held, free, .. } = state;
         match held.entry_ref(lease.key()) {
             EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
@@ -243,7 +256,9 @@ impl MemoryBackend {
                 ExtendOutcome::Expired
             }
             EntryRef::Occupied(mut slot) if slot.get().owner.as_ref() == Some(lease.owner()) => {
-                slot.get_mut().expires_at = now + ttl;
+                let holder = slot.get_mut();
+                holder.expires_at = now + ttl;
+                holder.kept = kept;
                 ExtendOutcome::Extended
             }
             EntryRef::Occupied(_) => ExtendOutcome::Taken,
@@ -307,6 +322,7 @@ impl LockBackend for MemoryBackend {
             lease,
             ttl,
             Instant::now(),
+            false,
         ))
     }
 
@@ -318,7 +334,7 @@ impl LockBackend for MemoryBackend {
         let mut state = self.lock();
         requests
             .iter()
-            .map(|r| Ok(Self::extend_one(&mut state, &r.lease, r.ttl, now)))
+            .map(|r| Ok(Self::extend_one(&mut state, &r.lease, r.ttl, now, false)))
             .collect()
     }
 
@@ -332,13 +348,14 @@ impl LockBackend for MemoryBackend {
     }
 
     /// The expiry counts from the driver's clock: the time left of the
-    /// minimum hold \[H7\].
+    /// minimum hold \[H7\]. The entry records the hold for the admin.
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
         Ok(Self::extend_one(
             &mut self.lock(),
             lease,
             hold.from_now,
             Instant::now(),
+            true,
         ))
     }
 

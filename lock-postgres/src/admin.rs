@@ -12,6 +12,7 @@ use sqlx::Row;
 
 use crate::backend::PostgresBackend;
 use crate::error::{step_error, step_timeout};
+use crate::sql::KEPT_PREFIX;
 
 /// The database's current time, as the lock steps read it.
 const NOW: &str = "WITH now AS (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t)";
@@ -22,10 +23,12 @@ const NOW: &str = "WITH now AS (SELECT clock_timestamp() AT TIME ZONE 'UTC' AS t
 const HELD: &str =
     "(l.locked_by IS NOT NULL AND (l.locked_until IS NULL OR l.locked_until >= now.t))";
 
-/// The columns every admin statement gives for row `l`, in the order
-/// [`info`] reads them: key, holder, remaining time and time held in whole
-/// microseconds, sequence, and the last holder of a row whose holder's
-/// time ran out.
+/// The columns every admin statement gives for row `l` and the record of
+/// its minimum hold `m` (see [`kept_join`]), in the order [`info`] reads
+/// them: key, holder, remaining time and time held in whole microseconds,
+/// sequence, the last holder of a row whose holder's time ran out, and the
+/// time left of a minimum hold \[H7\] (the row's remaining time, when the
+/// record names its holder).
 fn columns(key: &str) -> String {
     format!(
         "{key} AS key, \
@@ -35,7 +38,30 @@ fn columns(key: &str) -> String {
          l.sequence, \
          CASE WHEN {HELD} THEN (extract(epoch FROM (now.t - l.locked_at)) * 1000000)::bigint END \
            AS held_for_us, \
-         CASE WHEN NOT {HELD} THEN l.locked_by END AS last_owner"
+         CASE WHEN NOT {HELD} THEN l.locked_by END AS last_owner, \
+         CASE WHEN {HELD} AND m.key IS NOT NULL \
+           THEN (extract(epoch FROM (l.locked_until - now.t)) * 1000000)::bigint END AS kept_us"
+    )
+}
+
+/// `LEFT JOIN` of `m`, the record of row `l`'s minimum hold \[H7\]: the row
+/// [`KEPT_PREFIX`]`<key>` that the hold step took for `l`'s holder, while it
+/// is held (written by [`PostgresBackend`]'s hold step, see its README).
+fn kept_join(table: &str) -> String {
+    format!(
+        "LEFT JOIN {table} AS m ON m.key = '{KEPT_PREFIX}' || l.key \
+           AND m.locked_by = l.locked_by AND m.locked_until >= now.t"
+    )
+}
+
+/// Whether row `l` is the record of a minimum hold of the row it names,
+/// held by that row's holder: not a lock of its own, so not listed.
+fn is_record(table: &str) -> String {
+    format!(
+        "(left(l.key, char_length('{KEPT_PREFIX}')) = '{KEPT_PREFIX}' \
+          AND EXISTS (SELECT 1 FROM {table} AS k \
+                      WHERE k.key = substr(l.key, char_length('{KEPT_PREFIX}') + 1) \
+                        AND k.locked_by = l.locked_by))"
     )
 }
 
@@ -75,13 +101,15 @@ pub(crate) const RUBY_LOCKER_HOLDER: &str = "^(host:.* )?pid:[0-9]+ guid:[0-9a-f
 #[async_trait]
 impl LockAdmin for PostgresBackend {
     async fn list_locks(&self, prefix: &str) -> Result<Vec<LockInfo>, BackendError> {
+        let table = self.qualified_table();
         let sql = format!(
             "{NOW} SELECT {columns} \
-             FROM {table} AS l CROSS JOIN now \
-             WHERE {HELD} AND left(l.key, char_length($1)) = $1 \
+             FROM {table} AS l CROSS JOIN now {kept} \
+             WHERE {HELD} AND left(l.key, char_length($1)) = $1 AND NOT {record} \
              ORDER BY l.key COLLATE \"C\"",
             columns = columns("l.key"),
-            table = self.qualified_table()
+            kept = kept_join(table),
+            record = is_record(table),
         );
         let rows = self
             .admin_step(
@@ -93,11 +121,12 @@ impl LockAdmin for PostgresBackend {
     }
 
     async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
+        let table = self.qualified_table();
         let sql = format!(
             "{NOW} SELECT {columns} \
-             FROM now LEFT JOIN {table} AS l ON l.key = $1",
+             FROM now LEFT JOIN {table} AS l ON l.key = $1 {kept}",
             columns = columns("$1::text"),
-            table = self.qualified_table()
+            kept = kept_join(table),
         );
         let row = self
             .admin_step(
@@ -121,6 +150,7 @@ impl LockAdmin for PostgresBackend {
         // in the same statement, on the same snapshot, so nothing can
         // change the row in between. The outer select shows the row as it
         // was before.
+        let table = self.qualified_table();
         let sql = format!(
             "{NOW}, \
              old AS (SELECT key, locked_by, locked_at, locked_until, sequence FROM {table} \
@@ -133,11 +163,14 @@ impl LockAdmin for PostgresBackend {
                  ELSE 'format' END AS verdict \
                FROM old AS l CROSS JOIN now), \
              cleared AS (UPDATE {table} AS t SET locked_by = NULL FROM verdict AS v \
-                         WHERE t.key = v.key AND v.verdict = 'freed' RETURNING t.key) \
+                         WHERE t.key = v.key AND v.verdict = 'freed' RETURNING t.key), \
+             unkept AS (UPDATE {table} AS t SET locked_by = NULL FROM verdict AS v \
+                        WHERE t.key = '{KEPT_PREFIX}' || v.key AND t.locked_by = v.locked_by \
+                          AND v.verdict = 'freed') \
              SELECT {columns}, l.verdict, {announce} AS announced \
-             FROM verdict AS l CROSS JOIN now",
+             FROM verdict AS l CROSS JOIN now {kept}",
             columns = columns("l.key"),
-            table = self.qualified_table()
+            kept = kept_join(table),
         );
         let mut query = sqlx::query(&sql).bind(key);
         if notify {
@@ -196,11 +229,13 @@ fn info(row: &PgRow) -> Result<LockInfo, BackendError> {
     let sequence: Option<i64> = row.try_get(3).map_err(step_error)?;
     let held_for_us: Option<i64> = row.try_get(4).map_err(step_error)?;
     let last_owner: Option<String> = row.try_get(5).map_err(step_error)?;
+    let kept_us: Option<i64> = row.try_get(6).map_err(step_error)?;
     // Negative only for a clock that stepped back since: counted as zero.
     let micros = |us: i64| Duration::from_micros(u64::try_from(us).unwrap_or(0));
     let info = match owner {
         Some(owner) => LockInfo::held(key, OwnerToken::from_value(owner), ttl_us.map(micros))
-            .with_held_for(held_for_us.map(micros)),
+            .with_held_for(held_for_us.map(micros))
+            .with_minimum_hold_left(kept_us.map(micros)),
         None => LockInfo::free(key).with_last_owner(last_owner.map(OwnerToken::from_value)),
     };
     Ok(info.with_fencing_token(sequence.and_then(|s| u64::try_from(s).ok())))

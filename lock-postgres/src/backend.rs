@@ -548,15 +548,28 @@ impl LockBackend for PostgresBackend {
     }
 
     /// Sets `locked_until` to `locked_at` plus the minimum hold: the row's
-    /// own record of the acquisition \[H7\].
+    /// own record of the acquisition \[H7\]; and, in the same statement,
+    /// takes the hold's record, the row [`KEPT_PREFIX`](crate::KEPT_PREFIX)`<key>`,
+    /// for the holder until then, for the admin. A table that refuses the
+    /// record's row (a `key` column too short for it, a constraint of its
+    /// own) fails the whole statement, which then goes again without it.
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
         let request = ExtendRequest {
             lease: lease.clone(),
             ttl: hold.since_acquired,
         };
-        let outcomes = self
-            .extension_statement("hold", &self.inner.sql.hold, std::slice::from_ref(&request))
-            .await?;
+        let requests = std::slice::from_ref(&request);
+        let outcomes = match self
+            .extension_statement("hold", &self.inner.sql.hold, requests)
+            .await
+        {
+            Err(error) if refused_row(&error) => {
+                tracing::debug!(key = %lease.key(), error = %lock_core::ErrorChain(&error), "the table refuses the minimum hold's record; holding without it");
+                self.extension_statement("hold", &self.inner.sql.hold_unrecorded, requests)
+                    .await?
+            }
+            outcomes => outcomes?,
+        };
         outcomes
             .into_iter()
             .next()
@@ -574,4 +587,18 @@ impl LockBackend for PostgresBackend {
         listener.ensure_listening().await?;
         Ok(watch)
     }
+}
+
+/// Whether `error` is the table's refusal of a row's data (SQLSTATE class
+/// 22, a data exception such as a value too long for its column, or 23, an
+/// integrity constraint): the statement failed whole, nothing was applied.
+fn refused_row(error: &BackendError) -> bool {
+    error
+        .inner()
+        .downcast_ref::<sqlx::Error>()
+        .and_then(|e| match e {
+            sqlx::Error::Database(db) => db.code(),
+            _ => None,
+        })
+        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
 }

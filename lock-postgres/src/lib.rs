@@ -12,6 +12,7 @@ pub mod testing;
 pub use backend::{PostgresBackend, MAX_EXTEND_BATCH};
 pub use config::{quote_identifier, PostgresConfig, MAX_IDENTIFIER_LEN};
 pub use error::SetupError;
+pub use sql::KEPT_PREFIX;
 
 /// Re-exported so that users build their pool with the same sqlx version.
 pub use sqlx;

@@ -41,13 +41,27 @@ pub(crate) struct Statements {
     /// (free, expired or missing), 2 taken (another owner, not expired).
     pub(crate) extend: String,
     /// As `extend`, with `$3` the minimum hold in µs \[H7\]: `locked_until`
-    /// becomes `locked_at` plus it (or now, if that has passed).
+    /// becomes `locked_at` plus it (or now, if that has passed); and the
+    /// hold's record, the row [`KEPT_PREFIX`]`<key>`, is taken for the
+    /// holder until the same time, in the same statement, for the admin.
     pub(crate) hold: String,
+    /// `hold` without the record, for a table whose `key` column cannot
+    /// take the record's longer key (a `varchar(255)`) or that refuses its
+    /// row otherwise.
+    pub(crate) hold_unrecorded: String,
     /// `$1` key, `$2` owner, and `$3` channel when notifications are on.
     /// Returns one row, `held` (whether the lease was still valid), when
     /// `locked_by` was ours; no row otherwise.
     pub(crate) release: String,
 }
+
+/// What the key of a minimum hold's record starts with, before the
+/// lock's key: the row `withlock-kept:<key>` of the lock table holds the
+/// owner token of a holder whose run ended before its minimum hold
+/// \[H7\], until the lock's own `locked_until`. The admin counts it only
+/// while it names the lock row's holder, and does not list it as a lock
+/// then.
+pub const KEPT_PREFIX: &str = "withlock-kept:";
 
 /// The outcome codes of [`Statements::extend`].
 pub(crate) const EXTENDED: i32 = 0;
@@ -79,13 +93,27 @@ impl Statements {
              WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
              RETURNING l.sequence::bigint"
         );
-        let extend = extension(table, "now.t + req.ttl_us * interval '1 microsecond'");
+        let extend = extension(table, "now.t + req.ttl_us * interval '1 microsecond'", "");
         // [H7] The minimum hold counts from the row's own record of the
         // acquisition; a hold already over frees the row now.
-        let hold = extension(
-            table,
-            "GREATEST(l.locked_at + req.ttl_us * interval '1 microsecond', now.t)",
+        let held_until = "GREATEST(l.locked_at + req.ttl_us * interval '1 microsecond', now.t)";
+        // The hold's record: a row of the table, taken for the holder
+        // until the lock's new expiry, as an acquisition takes a row (only
+        // when free or expired, so a row of that name held by anyone else
+        // is left alone), or written again by the same holder (a hold step
+        // sent again). Its sequence stays the column's default.
+        let record = format!(
+            ", kept AS (INSERT INTO {table} AS m (key, locked_by, locked_at, locked_until) \
+                        SELECT '{KEPT_PREFIX}' || e.key, e.locked_by, now.t, e.locked_until \
+                        FROM extended AS e CROSS JOIN now \
+                        ON CONFLICT (key) DO UPDATE \
+                        SET locked_by = excluded.locked_by, locked_at = excluded.locked_at, \
+                            locked_until = excluded.locked_until \
+                        WHERE m.locked_by IS NULL OR m.locked_until < excluded.locked_at \
+                           OR m.locked_by = excluded.locked_by)"
         );
+        let hold = extension(table, held_until, &record);
+        let hold_unrecorded = extension(table, held_until, "");
         // Release keeps the row, its sequence and its locked_until (as Ruby
         // Locker does), and announces the key in the same statement.
         // pg_notify runs once per row the select returns; its void result
@@ -102,6 +130,7 @@ impl Statements {
             acquire,
             extend,
             hold,
+            hold_unrecorded,
             release,
         }
     }
@@ -115,8 +144,9 @@ impl Statements {
 /// The statement of [`Statements::extend`], setting `locked_until` to
 /// `until` (an expression of `l`, the row, `req`, the request, and `now`).
 /// The update touches only rows still held by the lease; the outer select
-/// tells an expired or missing row from another owner's.
-fn extension(table: &str, until: &str) -> String {
+/// tells an expired or missing row from another owner's. `also`: more
+/// common table expressions (from `, `), which may read `extended`.
+fn extension(table: &str, until: &str, also: &str) -> String {
     format!(
         "{NOW}, \
          req AS (SELECT r.key, r.owner, r.ttl_us, r.ord \
@@ -127,7 +157,7 @@ fn extension(table: &str, until: &str) -> String {
                       FROM req, now \
                       WHERE l.key = req.key AND l.locked_by = req.owner \
                         AND l.locked_until >= now.t \
-                      RETURNING l.key, l.locked_by) \
+                      RETURNING l.key, l.locked_by, l.locked_until){also} \
          SELECT req.ord, CASE \
            WHEN e.key IS NOT NULL THEN {EXTENDED} \
            WHEN l.locked_by IS NOT NULL AND l.locked_by <> req.owner \

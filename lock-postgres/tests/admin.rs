@@ -176,3 +176,113 @@ async fn d1_held_for_and_last_owner_come_from_the_row() {
         .collect();
     assert_eq!(keys, ["held"]);
 }
+
+/// `key`'s row: holder, and `locked_until` as microseconds after
+/// `locked_at` and after the Unix epoch; `None` when there is no row.
+async fn row_times(backend: &TestBackend, key: &str) -> Option<(Option<String>, i64, i64)> {
+    sqlx::query_as(&format!(
+        "SELECT locked_by, \
+                (extract(epoch FROM (locked_until - locked_at)) * 1000000)::bigint, \
+                (extract(epoch FROM locked_until) * 1000000)::bigint \
+         FROM {} WHERE key = $1",
+        backend.qualified_table()
+    ))
+    .bind(key)
+    .fetch_optional(backend.pool())
+    .await
+    .unwrap()
+}
+
+/// A run that ends at once on `key`, kept by a minimum hold of `hold`.
+async fn short_run(backend: &TestBackend, key: &str, hold: Duration) {
+    let locker = lock_core::Locker::new(backend.backend().clone());
+    let cfg = lock_core::LockConfig::default()
+        .retry_attempts(0)
+        .hold_at_least(hold);
+    locker
+        .with_lock_config(key, &cfg, |_| async {})
+        .await
+        .expect("the run and its hold step");
+}
+
+/// \[H7, D1\] The hold step leaves the lock's row as Ruby Locker reads it
+/// (the holder's token, `locked_until` at `locked_at` plus the minimum)
+/// and takes the row `withlock-kept:<key>` for the same holder until the
+/// same time: the admin shows the lock kept and does not list the record
+/// as a lock; a forced release frees both. A row of that name held by
+/// another client is its own lock: the hold leaves it alone, and the
+/// admin shows the lock as running and lists that row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h7_the_hold_is_recorded_in_a_row_beside_the_lock() {
+    let backend = new_backend().await;
+    let hold = Duration::from_secs(30);
+    short_run(&backend, "nightly", hold).await;
+    let (owner, span_us, until_us) = row_times(&backend, "nightly").await.unwrap();
+    let owner = owner.expect("held to its minimum");
+    assert!(OwnerToken::is_well_formed(&owner), "{owner:?}");
+    assert_eq!(span_us, 30_000_000, "locked_until is locked_at + the hold");
+    let record = format!("{}nightly", lock_postgres::KEPT_PREFIX);
+    assert_eq!(record, "withlock-kept:nightly");
+    let (record_owner, _, record_until_us) = row_times(&backend, &record).await.unwrap();
+    assert_eq!(record_owner.as_deref(), Some(owner.as_str()));
+    assert_eq!(
+        record_until_us, until_us,
+        "the record expires with the lock"
+    );
+
+    let info = backend.inspect("nightly").await.unwrap();
+    assert!(info.is_kept(), "{info:?}");
+    let left = info.minimum_hold_left.unwrap();
+    assert!(left <= hold && left > hold / 2, "{info:?}");
+    assert_eq!(info.minimum_hold_left, info.ttl);
+    let listed = backend.list_locks("").await.unwrap();
+    assert_eq!(listed.len(), 1, "the record is not listed: {listed:?}");
+    assert!(listed[0].key == "nightly" && listed[0].is_kept());
+
+    let freed = backend.force_release("nightly").await.unwrap().unwrap();
+    assert!(freed.is_kept(), "{freed:?}");
+    let (record_owner, _, _) = row_times(&backend, &record).await.unwrap();
+    assert_eq!(record_owner, None, "the record is freed with its lock");
+    assert!(backend.list_locks("").await.unwrap().is_empty());
+
+    // Another client's lock of the record's name stays its own.
+    let ruby = format!("host:web-1 pid:42 guid:{HEX}");
+    write_row(&backend, "withlock-kept:other", &ruby, Some(60)).await;
+    let before = row_text(&backend, "withlock-kept:other").await;
+    short_run(&backend, "other", hold).await;
+    assert_eq!(row_text(&backend, "withlock-kept:other").await, before);
+    let info = backend.inspect("other").await.unwrap();
+    assert!(info.is_held() && !info.is_kept(), "{info:?}");
+    let keys: Vec<String> = backend
+        .list_locks("")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|i| i.key)
+        .collect();
+    assert_eq!(keys, ["other", "withlock-kept:other"]);
+}
+
+/// \[H7\] A table whose `key` column cannot take the record's longer key
+/// (a `varchar` as an older Rails migration makes it) refuses the record:
+/// the hold step goes again without it, so the key is still held to its
+/// minimum, and the admin shows the lock as running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h7_a_table_that_refuses_the_record_still_holds_to_the_minimum() {
+    let backend = new_backend().await;
+    sqlx::query(&format!(
+        "ALTER TABLE {} ALTER COLUMN key TYPE varchar(20)",
+        backend.qualified_table()
+    ))
+    .execute(backend.pool())
+    .await
+    .unwrap();
+    let key = "twenty-chars-exactly";
+    let hold = Duration::from_secs(30);
+    short_run(&backend, key, hold).await;
+    let (owner, span_us, _) = row_times(&backend, key).await.unwrap();
+    assert!(owner.is_some(), "held to its minimum");
+    assert_eq!(span_us, 30_000_000);
+    let info = backend.inspect(key).await.unwrap();
+    assert!(info.is_held() && !info.is_kept(), "{info:?}");
+}

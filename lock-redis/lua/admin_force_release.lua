@@ -5,6 +5,9 @@
 --
 -- KEYS[1]  the lock key
 -- KEYS[2]  its fencing companion (same hash slot)
+-- KEYS[3]  the record of its minimum hold (same hash slot; read only: a
+--          record left names the freed holder, and is not counted for
+--          the next one)
 -- ARGV[1]  the publish command: PUBLISH (one server, Sentinel) or
 --          SPUBLISH (Redis Cluster, on the shard channel of KEYS[1]'s slot)
 -- ARGV[2]  the release channel; the message is the lock key (KEYS[1]), as
@@ -24,7 +27,7 @@
 -- writes it). The owner-token test is OwnerToken::is_well_formed in
 -- lock-core; tests/admin.rs checks that both agree.
 --
--- Returns { verdict, value, pttl, counter }, the last three as
+-- Returns { verdict, value, pttl, counter, kept }, the last four as
 -- admin_read.lua reads them, before any change. verdict is
 --   'freed'      the key was deleted and the release published;
 --   'free'       there is no key (nothing changed, nothing published);
@@ -45,6 +48,7 @@ local kind = redis.call('TYPE', KEYS[1])['ok']
 local value = read(KEYS[1])
 local pttl = redis.call('PTTL', KEYS[1])
 local counter = read(KEYS[2])
+local kept = read(KEYS[3])
 local verdict
 if kind == 'none' then
     verdict = 'free'
@@ -62,4 +66,4 @@ else
     redis.call(ARGV[1], ARGV[2], KEYS[1])
     verdict = 'freed'
 end
-return { verdict, value, pttl, counter }
+return { verdict, value, pttl, counter, kept }

@@ -13,18 +13,18 @@ use crate::plumbing::errors::map_redis_error;
 use crate::plumbing::scripts::{Query, ADMIN_FORCE_RELEASE, ADMIN_READ};
 use crate::plumbing::timeout::within;
 use crate::single_node::{SingleNode, Source};
-use crate::slot::{fence_key, FENCE_INFIX};
+use crate::slot::{fence_key, kept_key, FENCE_INFIX};
 
 /// How many keys one `SCAN` step asks for, and how many locks one pipeline
 /// of reads carries.
 pub(crate) const BATCH: usize = 500;
 
 /// The answer of `admin_read.lua`: the lock key's value (or `<type>`), its
-/// `PTTL`, and the companion's value.
-pub(crate) type Read = (Option<String>, i64, Option<String>);
+/// `PTTL`, the companion's value, and the hold's record's value.
+pub(crate) type Read = (Option<String>, i64, Option<String>, Option<String>);
 
 /// The answer of `admin_force_release.lua`: its verdict, then what it read.
-pub(crate) type Forced = (String, Option<String>, i64, Option<String>);
+pub(crate) type Forced = (String, Option<String>, i64, Option<String>, Option<String>);
 
 /// Lists, inspects and force-releases locks on the server (in Sentinel
 /// mode, on the primary the Sentinels name).
@@ -35,9 +35,13 @@ pub(crate) type Forced = (String, Option<String>, i64, Option<String>);
 ///   wire format that never drew a token is not listed. As with any
 ///   `SCAN`, a key taken or freed during the listing may or may not
 ///   appear.
-/// - `inspect` reads the key, its ttl and its companion in one script run
-///   (they share a hash slot). A key of another type, as a client that
-///   keeps its locks in a hash makes, shows as held by `<hash>`.
+/// - `inspect` reads the key, its ttl, its companion and the record of its
+///   minimum hold in one script run (they share a hash slot). A key of
+///   another type, as a client that keeps its locks in a hash makes, shows
+///   as held by `<hash>`. A lock whose run ended before its minimum hold
+///   \[H7\] shows [`LockInfo::minimum_hold_left`] (its `PTTL`) while the
+///   record ([`RedisBackend::kept_key`], written by the hold step) holds
+///   the lock key's own value.
 /// - `force_release` deletes the key only if it is a string holding an
 ///   owner token (`<node id>/<32 hex>`), with an expiry and a fencing
 ///   companion, and then publishes the release on [`RedisBackend::channel`]
@@ -97,9 +101,10 @@ impl<S: Source> SingleNode<S> {
             for key in chunk {
                 pipe.cmd("EVALSHA")
                     .arg(&hash)
-                    .arg(2)
+                    .arg(3)
                     .arg(key)
-                    .arg(fence_key(key));
+                    .arg(fence_key(key))
+                    .arg(kept_key(key));
             }
             let answers: Vec<Read> = self.admin_query("read", &pipe).await?;
             for (key, answer) in chunk.iter().zip(answers) {
@@ -114,21 +119,21 @@ impl<S: Source> SingleNode<S> {
 
     pub(crate) async fn inspect(&self, key: &str) -> Result<LockInfo, BackendError> {
         let lock_key = self.lock_key(key);
-        let fence = fence_key(&lock_key);
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
         let answer = self
-            .run_script("inspect", &ADMIN_READ, &[&lock_key, &fence], &[])
+            .run_script("inspect", &ADMIN_READ, &[&lock_key, &fence, &kept], &[])
             .await?;
         info(&self.config().prefix, &lock_key, answer)
     }
 
     pub(crate) async fn force_release(&self, key: &str) -> Result<Option<LockInfo>, AdminError> {
         let lock_key = self.lock_key(key);
-        let fence = fence_key(&lock_key);
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
         let answer = self
             .run_script(
                 "force release",
                 &ADMIN_FORCE_RELEASE,
-                &[&lock_key, &fence],
+                &[&lock_key, &fence, &kept],
                 &["PUBLISH", self.channel(), &self.config().fence_idle_ms()],
             )
             .await?;
@@ -191,7 +196,7 @@ pub(crate) fn locks_of_companions<'a>(
 pub(crate) fn info(
     prefix: &str,
     lock_key: &str,
-    (value, pttl, fence): Read,
+    (value, pttl, fence, kept): Read,
 ) -> Result<LockInfo, BackendError> {
     let key = lock_key.strip_prefix(prefix).unwrap_or(lock_key);
     let fencing_token = fence
@@ -209,11 +214,14 @@ pub(crate) fn info(
     let info = match (value, pttl) {
         (Some(_), -2) | (None, _) => LockInfo::free(key),
         (Some(value), -1) => LockInfo::held(key, OwnerToken::from_value(value), None),
-        (Some(value), ms) => LockInfo::held(
-            key,
-            OwnerToken::from_value(value),
-            Some(Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
-        ),
+        (Some(value), ms) => {
+            let left = Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+            // [H7] The hold's record counts only while it names the
+            // holder: the lock then expires when the hold ends.
+            let kept = kept.as_deref() == Some(value.as_str());
+            LockInfo::held(key, OwnerToken::from_value(value), Some(left))
+                .with_minimum_hold_left(kept.then_some(left))
+        }
     };
     Ok(info.with_fencing_token(fencing_token))
 }
@@ -223,9 +231,9 @@ pub(crate) fn info(
 pub(crate) fn forced(
     prefix: &str,
     lock_key: &str,
-    (verdict, value, pttl, fence): Forced,
+    (verdict, value, pttl, fence, kept): Forced,
 ) -> Result<Option<LockInfo>, AdminError> {
-    let read = info(prefix, lock_key, (value, pttl, fence))?;
+    let read = info(prefix, lock_key, (value, pttl, fence, kept))?;
     let found = match verdict.as_str() {
         "freed" => return Ok(Some(read)),
         "free" => return Ok(None),

@@ -9,7 +9,7 @@ use redis::aio::MultiplexedConnection;
 
 use crate::config::{RedisConfig, SetupError};
 use crate::single_node::{single_node_lock_backend, SingleNode, Source};
-use crate::slot::fence_key;
+use crate::slot::{fence_key, kept_key};
 use crate::subscription::PubSubTarget;
 use crate::tls::Trust;
 
@@ -244,6 +244,16 @@ impl RedisBackend {
     /// back, as each token is at least the server clock in microseconds.
     pub fn fence_key(&self, key: &str) -> String {
         fence_key(&self.lock_key(key))
+    }
+
+    /// The Redis key of the record of `key`'s minimum hold \[H7\], in the
+    /// same hash slot as [`lock_key`](Self::lock_key): the hold step (a
+    /// run that ended before its [`hold_at_least`](lock_core::LockConfig::hold_at_least))
+    /// writes the owner token there, expiring with the lock, so that the
+    /// admin shows the lock as kept after its run ended; a record that
+    /// does not hold the lock's own value is not counted.
+    pub fn kept_key(&self, key: &str) -> String {
+        kept_key(&self.lock_key(key))
     }
 
     /// The pub/sub channel releases are published on: the prefix, then

@@ -23,12 +23,12 @@ use crate::cluster_batch::{Batchers, Kind};
 use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
-use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
-use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, RELEASE_SHARDED};
+use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, HOLD, RELEASE_SHARDED};
 use crate::plumbing::timeout::within;
-use crate::slot::{fence_key, key_slot, slot_tag};
+use crate::slot::{fence_key, kept_key, key_slot, slot_tag};
 use crate::tls::Trust;
 
 /// A lock backend on a Redis Cluster: the same keys, values, scripts and
@@ -282,6 +282,12 @@ impl RedisClusterBackend {
     /// hash slot (see [`RedisBackend::fence_key`](crate::RedisBackend::fence_key)).
     pub fn fence_key(&self, key: &str) -> String {
         fence_key(&self.lock_key(key))
+    }
+
+    /// The Redis key of the record of `key`'s minimum hold, in the lock
+    /// key's hash slot (see [`RedisBackend::kept_key`](crate::RedisBackend::kept_key)).
+    pub fn kept_key(&self, key: &str) -> String {
+        kept_key(&self.lock_key(key))
     }
 
     /// The shard channel the release of `key` is published on:
@@ -820,11 +826,29 @@ impl LockBackend for RedisClusterBackend {
     }
 
     /// The extension script with the time left of the minimum hold \[H7\]
-    /// (Redis keeps no record of when a key was set). At least 1 ms, as
-    /// `PEXPIRE 0` would delete the key.
+    /// (Redis keeps no record of when a key was set), at least 1 ms, as
+    /// `PEXPIRE 0` would delete the key; and the hold's record beside the
+    /// lock, in the key's slot ([`crate::slot::kept_key`]), for the admin.
+    /// One script on the key's master.
     async fn hold(&self, lease: &Lease, hold: Hold) -> Result<ExtendOutcome, BackendError> {
-        self.extend(lease, hold.from_now.max(Duration::from_millis(1)))
-            .await
+        let lock_key = self.lock_key(lease.key());
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
+        let keys = [&*lock_key, &fence, &kept];
+        let ttl = hold.from_now.max(Duration::from_millis(1));
+        let (ttl, fence_ttl) = (ttl_ms(ttl), self.inner.config.fence_ttl_ms(ttl));
+        let token = lease.fencing_token().to_string();
+        let args = [lease.owner().as_str(), &ttl, &fence_ttl, &token];
+        let value = match self.eval("hold", Lane::Steps, &HOLD, &keys, &args).await {
+            // A user whose ACL does not reach the record: the hold
+            // without it (the script did not run).
+            Err(error) if is_key_refused(&error) => {
+                tracing::debug!(key = %lease.key(), "the ACL refuses the minimum hold's record; holding without it");
+                self.eval("hold", Lane::Steps, &EXTEND, &keys[..2], &args)
+                    .await?
+            }
+            value => value?,
+        };
+        extend_outcome(script_number("hold", value)?)
     }
 
     /// A watch on `key`, returned once the shard channel of the key's slot

@@ -130,6 +130,16 @@ impl SlotMap {
         masters
     }
 
+    /// The slot ranges whose master the cluster announces no usable
+    /// address for, first and last slot of each.
+    pub(crate) fn unaddressed(&self) -> Vec<(u16, u16)> {
+        self.ranges
+            .iter()
+            .filter(|(_, _, master, _)| master.is_none())
+            .map(|(first, last, ..)| (*first, *last))
+            .collect()
+    }
+
     /// The master serving `slot`, if the map names one.
     pub(crate) fn master_of(&self, slot: u16) -> Option<&Node> {
         let i = self.ranges.partition_point(|(first, ..)| *first <= slot);

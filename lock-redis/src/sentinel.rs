@@ -612,6 +612,12 @@ impl RedisSentinelBackend {
         crate::slot::fence_key(&self.lock_key(key))
     }
 
+    /// The Redis key of the record of `key`'s minimum hold (see
+    /// [`RedisBackend::kept_key`]).
+    pub fn kept_key(&self, key: &str) -> String {
+        crate::slot::kept_key(&self.lock_key(key))
+    }
+
     /// Whether the release subscription is in place now.
     pub fn is_subscribed(&self) -> bool {
         self.steps.is_subscribed()

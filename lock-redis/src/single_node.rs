@@ -26,14 +26,14 @@ use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
-use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
-use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, RELEASE, RELEASE_BATCH};
+use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, HOLD, RELEASE, RELEASE_BATCH};
 use crate::plumbing::timeout::within;
 use crate::same_server::{Next, SameServer};
 use crate::sentinel::connected_replicas;
-use crate::slot::fence_key;
+use crate::slot::{fence_key, kept_key};
 use crate::subscription::{PubSubTarget, Subscription};
 
 /// Where a single-node backend's connections come from.
@@ -811,14 +811,32 @@ impl<S: Source> SingleNode<S> {
         release_outcome(answer)
     }
 
-    /// The step of [`LockBackend::hold`].
+    /// The step of [`LockBackend::hold`]: the extension with the time left
+    /// of the hold (at least 1 ms, as `PEXPIRE 0` would delete the key),
+    /// and the hold's record beside the lock for the admin
+    /// ([`kept_key`]), in one script run.
     pub(crate) async fn hold(
         &self,
         lease: &Lease,
         hold: Hold,
     ) -> Result<ExtendOutcome, BackendError> {
-        self.extend(lease, hold.from_now.max(Duration::from_millis(1)))
-            .await
+        let lock_key = self.lock_key(lease.key());
+        let (fence, kept) = (fence_key(&lock_key), kept_key(&lock_key));
+        let keys = [&*lock_key, &fence, &kept];
+        let ttl = hold.from_now.max(Duration::from_millis(1));
+        let (ttl, fence_ttl) = (ttl_ms(ttl), self.inner.config.fence_ttl_ms(ttl));
+        let token = lease.fencing_token().to_string();
+        let args = [lease.owner().as_str(), &ttl, &fence_ttl, &token];
+        let answer = match self.run_script("hold", &HOLD, &keys, &args).await {
+            // A user whose ACL does not reach the record: the hold
+            // without it (the script did not run).
+            Err(error) if is_key_refused(&error) => {
+                tracing::debug!(key = %lease.key(), "the ACL refuses the minimum hold's record; holding without it");
+                self.run_script("hold", &EXTEND, &keys[..2], &args).await?
+            }
+            answer => answer?,
+        };
+        extend_outcome(answer)
     }
 
     /// The step of [`LockBackend::watch_release`].

@@ -16,6 +16,10 @@ pub const SLOTS: u16 = 16384;
 /// What the fencing companion key's name carries after its hash tag.
 pub const FENCE_INFIX: &str = ":withlock-fence:";
 
+/// What the minimum hold's record carries after its hash tag (see
+/// [`kept_key`]).
+pub const KEPT_INFIX: &str = ":withlock-kept:";
+
 /// CRC16 as Redis Cluster uses it (XMODEM: polynomial 0x1021, initial 0).
 pub fn crc16(data: &[u8]) -> u16 {
     let mut crc: u16 = 0;
@@ -57,7 +61,21 @@ pub fn key_slot(key: &str) -> u16 {
 /// In each case the companion's own hash tag is `T`, so it hashes to the
 /// key's slot; and distinct keys give distinct companions.
 pub fn fence_key(key: &str) -> String {
-    let mut out = String::with_capacity(key.len() * 2 + FENCE_INFIX.len() + 2);
+    companion(key, FENCE_INFIX)
+}
+
+/// The name of the record of the minimum hold \[H7\] of the Redis key
+/// `key`: `{T}:withlock-kept:<key>`, with the `T` of [`fence_key`], so in
+/// `key`'s hash slot. The hold step writes it, holding the owner token,
+/// with the lock's new expiry, in the same script run that sets that
+/// expiry; the admin counts it only while it holds the lock's own value.
+pub fn kept_key(key: &str) -> String {
+    companion(key, KEPT_INFIX)
+}
+
+/// `{T}<infix><key>`, `T` as [`fence_key`] says.
+fn companion(key: &str, infix: &str) -> String {
+    let mut out = String::with_capacity(key.len() * 2 + infix.len() + 2);
     out.push('{');
     match hash_tag(key) {
         Some(tag) => out.push_str(tag),
@@ -65,7 +83,7 @@ pub fn fence_key(key: &str) -> String {
         None => out.push_str(&slot_tag(key_slot(key)).to_string()),
     }
     out.push('}');
-    out.push_str(FENCE_INFIX);
+    out.push_str(infix);
     out.push_str(key);
     out
 }
@@ -150,6 +168,9 @@ mod tests {
                         );
                         assert_ne!(fence, key);
                         assert!(fence.ends_with(&key));
+                        let kept = kept_key(&key);
+                        assert_eq!(key_slot(&kept), key_slot(&key), "key {key:?}");
+                        assert!(kept != key && kept != fence && kept.ends_with(&key));
                         checked += 1;
                     }
                 }

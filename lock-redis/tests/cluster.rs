@@ -469,3 +469,92 @@ async fn durability_waits_for_the_replicas_of_the_key_s_master() {
         "{refused:?}"
     );
 }
+
+/// \[D1\] A listing while one master does not answer: `list_locks_partial`
+/// gives the locks of the masters that answer and names the one that does
+/// not (`host:port`, with its error), within the step timeout for a
+/// paused master (SIGSTOP) and at once for a killed one; `list_locks`
+/// fails naming it. Once the master answers again the listing is whole.
+/// A cluster of this test's own (3 masters, no replicas, so nothing fails
+/// over meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_cluster_list_names_a_master_that_does_not_answer() {
+    use lock_core::{BackendErrorKind, LockAdmin};
+    use lock_redis::testing::RedisCluster;
+
+    let cluster = RedisCluster::start_with(3, 0).unwrap();
+    let step = Duration::from_secs(1);
+    let backend = RedisClusterBackend::connect_with(
+        cluster.urls(),
+        RedisConfig::default().step_timeout(step),
+    )
+    .await
+    .unwrap();
+    // One key on each master.
+    let mut on_master: Vec<(u16, String)> = Vec::new();
+    for i in 0.. {
+        let key = format!("partial:{i}");
+        let port = cluster.master_of_key(&key).unwrap().port();
+        if on_master.iter().all(|(p, _)| *p != port) {
+            on_master.push((port, key));
+        }
+        if on_master.len() == 3 {
+            break;
+        }
+    }
+    on_master.sort_by(|a, b| a.1.cmp(&b.1));
+    for (_, key) in &on_master {
+        let owner = OwnerToken::new("partial");
+        let got = backend.try_acquire(key, &owner, TTL).await.unwrap();
+        assert!(matches!(got, AcquireOutcome::Acquired { .. }), "{key}");
+    }
+    let whole = backend.list_locks_partial("partial:").await.unwrap();
+    assert!(whole.is_whole(), "{:?}", whole.unreachable);
+    assert_eq!(whole.locks.len(), 3);
+
+    let (port, silent_key) = on_master[0].clone();
+    let others: Vec<&str> = on_master[1..].iter().map(|(_, k)| k.as_str()).collect();
+    let silent = cluster.node(port).unwrap();
+    silent.pause().unwrap();
+    let started = Instant::now();
+    let listed = backend.list_locks_partial("partial:").await;
+    let took = started.elapsed();
+    let strict = backend.list_locks("partial:").await;
+    silent.resume().unwrap();
+    let listed = listed.expect("the masters that answer are listed");
+    assert!(took <= step + Duration::from_secs(2), "took {took:?}");
+    let keys: Vec<&str> = listed.locks.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(
+        keys, others,
+        "the answering masters' locks, not {silent_key}"
+    );
+    assert_eq!(listed.unreachable.len(), 1, "{:?}", listed.unreachable);
+    let named = &listed.unreachable[0];
+    assert!(named.node.ends_with(&format!(":{port}")), "{named:?}");
+    assert_eq!(named.error.kind(), BackendErrorKind::Timeout, "{named:?}");
+    let error = strict.expect_err("list_locks fails while a master is silent");
+    let text = lock_core::ErrorChain(&error).to_string();
+    assert!(text.contains(&format!(":{port} did not answer")), "{text}");
+
+    // Answering again: whole.
+    let again = within(LIMIT, "the listing after SIGCONT", async {
+        loop {
+            match backend.list_locks_partial("partial:").await {
+                Ok(list) if list.is_whole() => break list,
+                _ => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(again.locks.len(), 3);
+
+    // Killed: named at once (the connection is refused).
+    silent.kill();
+    let started = Instant::now();
+    let listed = backend.list_locks_partial("partial:").await.unwrap();
+    assert!(started.elapsed() <= step + Duration::from_secs(2));
+    let keys: Vec<&str> = listed.locks.iter().map(|i| i.key.as_str()).collect();
+    assert_eq!(keys, others);
+    assert_eq!(listed.unreachable.len(), 1, "{:?}", listed.unreachable);
+    assert!(listed.unreachable[0].node.ends_with(&format!(":{port}")));
+}

@@ -7,7 +7,9 @@ mod common;
 
 use std::sync::LazyLock;
 
-use common::acl::{as_user, set_user, AsUsers, LOCKER, OPERATOR_EXTRA, PREFIX, SINGLE_NODE};
+use common::acl::{
+    as_user, set_user, AsUsers, LOCKER, OPERATOR, OPERATOR_EXTRA, PREFIX, SINGLE_NODE,
+};
 use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
 
@@ -55,4 +57,50 @@ fn d3_the_lock_user_has_no_more_rights_than_listed() {
     assert!(channel.is_err(), "a channel outside the prefix is refused");
     let scan: redis::RedisResult<redis::Value> = redis::cmd("SCAN").arg(0).query(&mut conn);
     assert!(scan.is_err(), "the lock user cannot list keys: {scan:?}");
+}
+
+/// \[H7, D3\] A lock user made by the rules of a release before the
+/// minimum hold's record (no `~{*}:withlock-kept:P*`) still holds a key
+/// whose run ended to its minimum: its hold step, refused the record's key,
+/// is sent again without it. The operator then sees the lock held, and
+/// running (no hold's time left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h7_a_user_without_the_records_pattern_still_holds_to_the_minimum() {
+    let rules: Vec<&str> = SINGLE_NODE
+        .iter()
+        .copied()
+        .filter(|rule| !rule.contains("withlock-kept"))
+        .collect();
+    assert_eq!(rules.len() + 1, SINGLE_NODE.len());
+    {
+        let client = redis::Client::open(SERVER.url()).unwrap();
+        let mut conn = client.get_connection().unwrap();
+        set_user(&mut conn, "older-locker", "older-secret", &[&rules]);
+    }
+    let locker = lock_core::Locker::new(backend_as("older-locker", "older-secret").await);
+    let operator = backend_as(OPERATOR.0, OPERATOR.1).await;
+    let key = format!("h7-older-{:016x}", rand::random::<u64>());
+    let hold = std::time::Duration::from_secs(30);
+    let cfg = lock_core::LockConfig::default()
+        .retry_attempts(0)
+        .hold_at_least(hold);
+    locker
+        .with_lock_config(&key, &cfg, |_| async {})
+        .await
+        .expect("the run and its hold step");
+    let info = lock_core::LockAdmin::inspect(&operator, &key)
+        .await
+        .unwrap();
+    assert!(info.is_held(), "kept to its minimum: {info:?}");
+    assert!(!info.is_kept(), "no record, so shown running: {info:?}");
+    assert!(
+        info.ttl.is_some_and(|ttl| ttl <= hold && ttl > hold / 2),
+        "the key expires at the end of its hold, not its ttl: {info:?}"
+    );
+    let busy = locker.with_lock_config(&key, &cfg, |_| async {}).await;
+    assert!(busy.is_err(), "the key is held: {busy:?}");
+    let freed = lock_core::LockAdmin::force_release(&operator, &key)
+        .await
+        .unwrap();
+    assert!(freed.is_some());
 }

@@ -5,7 +5,8 @@ use std::error::Error as StdError;
 /// Bad arguments; nothing was touched (`EX_USAGE`).
 pub(crate) const USAGE: u8 = 64;
 /// The backend could not be reached or failed; the command did not run
-/// (`EX_UNAVAILABLE`).
+/// (`EX_UNAVAILABLE`). Also `list` on a store of which a part (a Redis
+/// Cluster master) did not answer: the rest is printed, not the whole.
 pub(crate) const UNAVAILABLE: u8 = 69;
 /// `release --force` refused: the key is not a withlock lock and was left
 /// untouched (`EX_DATAERR`: the key's data is not what was asked for).

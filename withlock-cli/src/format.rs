@@ -2,7 +2,7 @@
 //! scripts.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Value};
 
@@ -33,19 +33,50 @@ impl fmt::Display for Shown<'_> {
     }
 }
 
+/// A duration in whole milliseconds, for JSON.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// When a lock kept by its minimum hold \[H7\] is let go, by this host's
+/// clock read at `now`: `2025-06-01T03:05:00Z`.
+fn kept_until(now: SystemTime, left: Duration) -> String {
+    // Rounded up: the key is not free before.
+    let left = Duration::from_secs(left.as_secs() + u64::from(left.subsec_nanos() > 0));
+    humantime::format_rfc3339_seconds(now + left).to_string()
+}
+
+/// What a lock kept by its minimum hold shows after its holder: `kept
+/// until 2025-06-01T03:05:00Z (4m 58s left) after its run ended`; `None`
+/// for any other.
+pub(crate) fn kept_text(view: &LockInfo, now: SystemTime) -> Option<String> {
+    let left = view.minimum_hold_left.filter(|_| view.is_kept())?;
+    Some(format!(
+        "kept until {} ({} left) after its run ended",
+        kept_until(now, left),
+        ttl_text(left)
+    ))
+}
+
 /// One lock as a JSON object: `{"key", "held", "node_id", "owner",
-/// "ttl_ms", "fencing_token", "held_for_ms", "last_owner"}` (the last two
-/// where the store records them, else null).
-pub(crate) fn view_json(view: &LockInfo) -> Value {
+/// "ttl_ms", "fencing_token", "held_for_ms", "last_owner", "kept_until",
+/// "minimum_hold_left_ms"}` (`held_for_ms` and `last_owner` where the
+/// store records them; the last two for a lock whose run ended before its
+/// minimum hold, the first as RFC 3339 by this host's clock at `now`;
+/// else null).
+pub(crate) fn view_json(view: &LockInfo, now: SystemTime) -> Value {
+    let kept = view.minimum_hold_left.filter(|_| view.is_kept());
     json!({
         "key": view.key,
         "held": view.owner.is_some(),
         "node_id": view.node_id(),
         "owner": view.owner.as_ref().map(|o| o.as_str()),
-        "ttl_ms": view.ttl.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+        "ttl_ms": view.ttl.map(millis),
         "fencing_token": view.fencing_token,
-        "held_for_ms": view.held_for.map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX)),
+        "held_for_ms": view.held_for.map(millis),
         "last_owner": view.last_owner.as_ref().map(|o| o.as_str()),
+        "kept_until": kept.map(|left| kept_until(now, left)),
+        "minimum_hold_left_ms": kept.map(millis),
     })
 }
 
@@ -54,23 +85,37 @@ fn ttl_cell(view: &LockInfo) -> String {
     view.ttl.map_or_else(|| "no expiry".to_owned(), ttl_text)
 }
 
-/// The locks as a table with a header, columns aligned.
-pub(crate) fn table(views: &[LockInfo]) -> String {
-    let rows: Vec<[String; 4]> = views
+/// The locks as a table with a header, columns aligned. When a lock is
+/// kept by its minimum hold \[H7\], a last column `KEPT UNTIL` says until
+/// when (by this host's clock at `now`), empty for the running ones.
+pub(crate) fn table(views: &[LockInfo], now: SystemTime) -> String {
+    let any_kept = views.iter().any(LockInfo::is_kept);
+    let rows: Vec<Vec<String>> = views
         .iter()
         .map(|v| {
-            [
+            let mut row = vec![
                 Shown(&v.key).to_string(),
                 v.node_id()
                     .map_or_else(String::new, |n| Shown(n).to_string()),
                 ttl_cell(v),
                 v.fencing_token
                     .map_or_else(|| "-".to_owned(), |t| t.to_string()),
-            ]
+            ];
+            if any_kept {
+                row.push(
+                    v.minimum_hold_left
+                        .filter(|_| v.is_kept())
+                        .map_or_else(String::new, |left| kept_until(now, left)),
+                );
+            }
+            row
         })
         .collect();
-    let header = ["KEY", "NODE", "TTL", "TOKEN"].map(str::to_owned);
-    let mut widths = header.clone().map(|h| h.chars().count());
+    let mut header: Vec<String> = ["KEY", "NODE", "TTL", "TOKEN"].map(str::to_owned).into();
+    if any_kept {
+        header.push("KEPT UNTIL".to_owned());
+    }
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
             *width = (*width).max(cell.chars().count());
@@ -80,8 +125,8 @@ pub(crate) fn table(views: &[LockInfo]) -> String {
     for row in std::iter::once(&header).chain(&rows) {
         let line = row
             .iter()
-            .zip(widths)
-            .map(|(cell, width)| format!("{cell:<width$}"))
+            .zip(&widths)
+            .map(|(cell, &width)| format!("{cell:<width$}"))
             .collect::<Vec<_>>()
             .join("  ");
         out.push_str(line.trim_end());
@@ -90,8 +135,9 @@ pub(crate) fn table(views: &[LockInfo]) -> String {
     out
 }
 
-/// One key as `label: value` lines.
-pub(crate) fn details(view: &LockInfo) -> String {
+/// One key as `label: value` lines; a lock kept by its minimum hold
+/// \[H7\] has a `kept until` line (by this host's clock at `now`).
+pub(crate) fn details(view: &LockInfo, now: SystemTime) -> String {
     let token = view
         .fencing_token
         .map_or_else(|| "none drawn yet".to_owned(), |t| t.to_string());
@@ -103,6 +149,13 @@ pub(crate) fn details(view: &LockInfo) -> String {
             out.push_str(&format!("ttl:                {}\n", ttl_cell(view)));
             if let Some(held_for) = view.held_for {
                 out.push_str(&format!("held for:           {}\n", ttl_text(held_for)));
+            }
+            if let Some(left) = view.minimum_hold_left.filter(|_| view.is_kept()) {
+                out.push_str(&format!(
+                    "kept until:         {} ({} left) after its run ended (minimum hold)\n",
+                    kept_until(now, left),
+                    ttl_text(left)
+                ));
             }
         }
         None => {
@@ -137,9 +190,17 @@ mod tests {
         assert_eq!(ttl_text(Duration::from_secs(330)), "5m 30s");
     }
 
+    /// 2025-06-01T03:00:00Z.
+    fn at() -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_748_746_800)
+    }
+
     #[test]
     fn tables_align_and_escape() {
-        let text = table(&[held("a", "web-1", 1500, 7), held("long\nkey", "w2", 90, 12)]);
+        let text = table(
+            &[held("a", "web-1", 1500, 7), held("long\nkey", "w2", 90, 12)],
+            at(),
+        );
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3);
         assert_eq!(lines[0], "KEY        NODE   TTL   TOKEN");
@@ -149,15 +210,44 @@ mod tests {
 
     #[test]
     fn json_has_every_field() {
-        let value = view_json(&held("k", "n", 2000, 3));
+        let value = view_json(&held("k", "n", 2000, 3), at());
         assert_eq!(value["held"], true);
         assert_eq!(value["node_id"], "n");
         assert_eq!(value["ttl_ms"], 2000);
         assert_eq!(value["fencing_token"], 3);
+        assert!(value["kept_until"].is_null() && value["minimum_hold_left_ms"].is_null());
         let free = LockInfo::free("k");
-        let value = view_json(&free);
+        let value = view_json(&free, at());
         assert_eq!(value["held"], false);
         assert!(value["owner"].is_null() && value["ttl_ms"].is_null());
-        assert!(details(&free).contains("nobody"));
+        assert!(details(&free, at()).contains("nobody"));
+    }
+
+    /// \[H7\] A lock kept by its minimum hold says until when, rounded up
+    /// to the second, in every form; a running one says nothing of it.
+    #[test]
+    fn a_kept_lock_says_until_when() {
+        let left = Duration::from_millis(298_200);
+        let kept = held("nightly", "web-2", 298_200, 9).with_minimum_hold_left(Some(left));
+        assert_eq!(
+            kept_text(&kept, at()).unwrap(),
+            "kept until 2025-06-01T03:04:59Z (4m 58s left) after its run ended"
+        );
+        assert_eq!(kept_text(&held("k", "n", 100, 1), at()), None);
+        let value = view_json(&kept, at());
+        assert_eq!(value["kept_until"], "2025-06-01T03:04:59Z");
+        assert_eq!(value["minimum_hold_left_ms"], 298_200);
+        assert!(details(&kept, at()).contains(
+            "kept until:         2025-06-01T03:04:59Z (4m 58s left) after its run ended"
+        ));
+        assert!(!details(&held("k", "n", 100, 1), at()).contains("kept"));
+        let text = table(&[held("a", "web-1", 1500, 7), kept], at());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "KEY      NODE   TTL     TOKEN  KEPT UNTIL");
+        assert_eq!(lines[1], "a        web-1  1.5s    7");
+        assert_eq!(
+            lines[2],
+            "nightly  web-2  4m 58s  9      2025-06-01T03:04:59Z"
+        );
     }
 }

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::args::RunArgs;
 use crate::child::{Job, Outcome, Signals, Stopped};
 use crate::exit::{self, Failure};
-use crate::format::{ttl_text, Shown};
+use crate::format::{kept_text, ttl_text, Shown};
 use crate::group::Swept;
 use crate::record::{self, Record};
 use crate::store::{Scheme, Store};
@@ -277,7 +277,7 @@ enum Ended {
 /// the store names none), or a failure if the store cannot say.
 async fn wait_over(store: &Store, key: &str) -> Result<Option<String>, Failure> {
     match tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await {
-        Ok(Ok(view)) => Ok(view.node_id().map(str::to_owned)),
+        Ok(Ok(view)) => Ok(holder_text(&view)),
         // A lock user that may not read the key as an operator does (on
         // Redis, PTTL and TYPE): busy, holder unknown.
         Ok(Err(error)) if crate::setup::refusal(&error).is_some() => Ok(None),
@@ -304,9 +304,20 @@ async fn wait_over(store: &Store, key: &str) -> Result<Option<String>, Failure> 
 /// The holder of a busy key, if the store says so within a second.
 async fn holder(store: &Store, key: &str) -> Option<String> {
     match tokio::time::timeout(Duration::from_secs(1), store.admin().inspect(key)).await {
-        Ok(Ok(view)) => view.node_id().map(str::to_owned),
+        Ok(Ok(view)) => holder_text(&view),
         _ => None,
     }
+}
+
+/// The holder's node id, and for a lock kept by its minimum hold \[H7\]
+/// until when: `web-2:41873, kept until 2025-06-01T03:05:00Z (4m 58s left)
+/// after its run ended` (a job that ran already, not one running).
+fn holder_text(view: &lock_core::LockInfo) -> Option<String> {
+    let node = view.node_id()?;
+    Some(match kept_text(view, std::time::SystemTime::now()) {
+        Some(kept) => format!("{node}, {kept}"),
+        None => node.to_owned(),
+    })
 }
 
 /// A failure before the command could start, saying so.
@@ -583,6 +594,9 @@ fn status_line(store: Store, key: String, shared: Arc<Shared>) -> JoinHandle<()>
             let holder = match tokio::time::timeout(STATUS_EVERY, store.admin().inspect(&key)).await
             {
                 Ok(Ok(view)) => match (view.node_id(), view.ttl) {
+                    (Some(_), _) if view.is_kept() => {
+                        format!("held by {}", holder_text(&view).unwrap_or_default())
+                    }
                     (Some(node), Some(ttl)) => format!("held by {node}, {} left", ttl_text(ttl)),
                     (Some(node), None) => format!("held by {node}"),
                     (None, _) => "free, taking it".to_owned(),

@@ -339,6 +339,117 @@ async fn admin_commands_work_on_a_cluster_url() {
     }
 }
 
+/// \[D1\] `list` on a Redis Cluster one master of which does not answer
+/// (stopped with SIGSTOP): the locks of the other masters on stdout (text
+/// and `--json`, still one array), one warning naming the silent master
+/// on stderr (`--json`: `{"unreachable": [{"node", "error"}]}`), exit 69,
+/// within the step timeout (2 s) and some margin. A cluster of this
+/// test's own: 3 masters, no replicas, so nothing fails over meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d1_list_on_a_cluster_names_a_master_that_does_not_answer() {
+    use lock_redis::testing::RedisCluster;
+    use std::time::{Duration, Instant};
+
+    let cluster = tokio::task::block_in_place(|| RedisCluster::start_with(3, 0)).unwrap();
+    let backend = lock_redis::RedisClusterBackend::connect(cluster.urls())
+        .await
+        .unwrap();
+    let locker = lock_core::Locker::with_options(
+        backend,
+        lock_core::LockerOptions::default().node_id("cluster-host"),
+    )
+    .unwrap();
+    // One key on each master, the first on the one to stop.
+    let mut keys: Vec<(u16, String)> = Vec::new();
+    for i in 0.. {
+        let key = format!("job:{i:02}");
+        let port = cluster.master_of_key(&key).unwrap().port();
+        if keys.iter().all(|(p, _)| *p != port) {
+            keys.push((port, key));
+        }
+        if keys.len() == 3 {
+            break;
+        }
+    }
+    let mut handles = Vec::new();
+    for (_, key) in &keys {
+        let mut handle = locker.handle(key, Duration::from_secs(60)).unwrap();
+        assert!(handle.acquire().await.unwrap());
+        handles.push(handle);
+    }
+    let (port, silent_key) = keys[0].clone();
+    let mut answering: Vec<&str> = keys[1..].iter().map(|(_, k)| k.as_str()).collect();
+    answering.sort_unstable();
+    let hosts: Vec<String> = cluster
+        .urls()
+        .iter()
+        .map(|u| u.trim_start_matches("redis://").to_owned())
+        .collect();
+    let url = format!("redis+cluster://{}", hosts.join(","));
+    let cmd = || {
+        let mut command = common::withlock(["list"]);
+        command.args(["--url", &url]);
+        command
+    };
+
+    let silent = cluster.node(port).unwrap();
+    silent.pause().unwrap();
+    let started = Instant::now();
+    let text = finish(&mut cmd()).await;
+    let took = started.elapsed();
+    let json_out = finish(cmd().arg("--json")).await;
+    silent.resume().unwrap();
+
+    assert_eq!(code(&text), 69, "{}", stderr(&text));
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    let listed = stdout(&text);
+    let lines: Vec<&str> = listed.lines().collect();
+    assert_eq!(lines.len(), 3, "{listed}");
+    assert!(lines[0].starts_with("KEY"), "{listed}");
+    for (line, key) in lines[1..].iter().zip(&answering) {
+        assert!(
+            line.starts_with(key) && line.contains("cluster-host"),
+            "{listed}"
+        );
+    }
+    assert!(!listed.contains(&silent_key), "{listed}");
+    let warning = stderr(&text);
+    assert_eq!(warning.lines().count(), 1, "{warning}");
+    assert!(
+        warning.starts_with("withlock: warning: Redis Cluster: ")
+            && warning.contains(&format!(
+                ":{port} did not answer, its locks are not listed: "
+            )),
+        "{warning}"
+    );
+
+    assert_eq!(code(&json_out), 69, "{}", stderr(&json_out));
+    let all = json(&stdout(&json_out));
+    let listed: Vec<&str> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["key"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, answering);
+    let unreachable = json(&stderr(&json_out));
+    let unreachable = unreachable["unreachable"].as_array().unwrap();
+    assert_eq!(unreachable.len(), 1, "{unreachable:?}");
+    assert!(unreachable[0]["node"]
+        .as_str()
+        .unwrap()
+        .ends_with(&format!(":{port}")));
+    assert!(!unreachable[0]["error"].as_str().unwrap().is_empty());
+
+    // Answering again: the whole list, exit 0.
+    let output = finish(cmd().arg("--json")).await;
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert_eq!(json(&stdout(&output)).as_array().unwrap().len(), 3);
+    for handle in &mut handles {
+        let _ = handle.release().await;
+    }
+}
+
 on_every_backend!(
     list_shows_held_locks,
     inspect_shows_one_key,

@@ -305,3 +305,123 @@ pub async fn l5_force_release_is_found_by_its_holder_at_once(factory: Arc<dyn Ba
         );
     }
 }
+
+/// \[H7, D1\] The admin tells a lock kept by its minimum hold from a
+/// running one. While its callback runs, `inspect` and `list_locks` show
+/// the key held with no [`minimum_hold_left`](lock_core::LockInfo::minimum_hold_left);
+/// once the callback settled before its minimum, the same holder and
+/// token, kept, with the hold's time left. A kept lock that is force
+/// released and taken by another node shows that node's run as running
+/// (the record of the hold named the old holder), then kept once that
+/// run ends too; and after the hold the key is free and shows no hold.
+pub async fn h7_the_admin_tells_a_kept_lock_from_a_running_one(factory: Arc<dyn BackendFactory>) {
+    let Some(store) = admin_store(&factory, "h7").await else {
+        return;
+    };
+    // Long against the reads below on a loaded machine.
+    let hold = Duration::from_secs(5);
+    // The most a store may keep the key past the hold: etcd's leases are
+    // whole seconds with a floor.
+    let bound = hold.max(store.backend.capabilities().min_ttl) + Duration::from_secs(1);
+    let ns = Namespace::new();
+    let key = ns.key("h7-admin");
+    let cfg = once().hold_at_least(hold);
+
+    // A node's run on `key`: told when its callback runs, ended on `go`.
+    let run = |name: &str| {
+        let locker = node(Arc::clone(&store.backend), name);
+        let (running_tx, running) = tokio::sync::oneshot::channel();
+        let (go, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let (k, cfg) = (key.clone(), cfg);
+        let call = tokio::spawn(async move {
+            locker
+                .with_lock_config(&k, &cfg, move |ctx| async move {
+                    let _ = running_tx.send(ctx.fencing_token());
+                    let _ = go_rx.await;
+                })
+                .await
+        });
+        (running, go, call)
+    };
+    let check = |info: &lock_core::LockInfo, kept: bool, what: &str| {
+        assert!(info.is_held(), "{what}: {info:?}");
+        assert_eq!(info.is_kept(), kept, "{what}: {info:?}");
+        if let Some(left) = info.minimum_hold_left {
+            assert!(
+                left > Duration::ZERO && left <= bound,
+                "{what}: {left:?} left of a {hold:?} hold: {info:?}"
+            );
+        }
+    };
+    let listed = |store: AdminStore| {
+        let prefix = ns.key("");
+        async move {
+            let listed = store.admin.list_locks(&prefix).await.unwrap();
+            assert_eq!(listed.len(), 1, "{listed:?}");
+            listed.into_iter().next().unwrap()
+        }
+    };
+
+    let (running, go, call) = run("node-a");
+    let token = within(SOON, "the first callback runs", running)
+        .await
+        .unwrap();
+    let info = store.admin.inspect(&key).await.unwrap();
+    check(&info, false, "inspect while the callback runs");
+    assert_eq!(info.fencing_token, Some(token));
+    assert_eq!(info.node_id(), Some("node-a"));
+    let owner = info.owner.clone();
+    check(&listed(store.clone()).await, false, "listed while running");
+
+    go.send(()).unwrap();
+    within(SOON, "the first call", call)
+        .await
+        .unwrap()
+        .expect("the callback's output");
+    let kept = store.admin.inspect(&key).await.unwrap();
+    check(&kept, true, "inspect after the callback settled");
+    assert_eq!(kept.owner, owner, "the same holder");
+    assert_eq!(kept.fencing_token, Some(token));
+    let listed_kept = listed(store.clone()).await;
+    check(&listed_kept, true, "listed after the callback settled");
+    assert_eq!(listed_kept.owner, owner);
+
+    let freed = store
+        .admin
+        .force_release(&key)
+        .await
+        .unwrap()
+        .expect("a kept lock is a withlock lock, and is freed");
+    assert_eq!(freed.owner, owner);
+    let (running, go, call) = run("node-b");
+    let next_token = within(SOON, "the second callback runs", running)
+        .await
+        .unwrap();
+    assert!(next_token > token);
+    let info = store.admin.inspect(&key).await.unwrap();
+    check(&info, false, "the next node's run, after a forced release");
+    assert_eq!(info.node_id(), Some("node-b"));
+    check(&listed(store.clone()).await, false, "listed: the next run");
+    go.send(()).unwrap();
+    within(SOON, "the second call", call)
+        .await
+        .unwrap()
+        .expect("the callback's output");
+    let kept = store.admin.inspect(&key).await.unwrap();
+    check(&kept, true, "the next node's run ended in its hold too");
+    assert_eq!(kept.node_id(), Some("node-b"));
+
+    let waiter = node(Arc::clone(&store.backend), "node-c");
+    within(
+        bound + SOON,
+        "another node takes the key after the hold",
+        waiter.with_lock_config(&key, &crate::support::patient(), |_| async {}),
+    )
+    .await
+    .expect("the key is free after its hold");
+    let after = store.admin.inspect(&key).await.unwrap();
+    assert!(
+        !after.is_held() && after.minimum_hold_left.is_none(),
+        "{after:?}"
+    );
+}

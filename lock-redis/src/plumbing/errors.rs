@@ -73,6 +73,18 @@ pub(crate) fn map_redis_error(error: redis::RedisError) -> BackendError {
     }
 }
 
+/// Whether `error` is the ACL's refusal of a key (`NOPERM`), as a server
+/// answers a script call with a declared key the user may not reach,
+/// before running it: the hold step's record \[H7\], for a user made by
+/// the rules of a release before it, which then holds without it.
+pub(crate) fn is_key_refused(error: &BackendError) -> bool {
+    error.kind() == BackendErrorKind::Setup
+        && error
+            .inner()
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(|e| e.code() == Some("NOPERM"))
+}
+
 /// An error that trying again cannot mend \[A8\]: authentication refused,
 /// an ACL that denies a command, key or channel, a lock key or companion
 /// of the wrong type, a fencing companion that holds no counter. Scripts

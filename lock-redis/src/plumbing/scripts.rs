@@ -30,6 +30,13 @@ pub(crate) static ACQUIRE_BATCH: Lua = Lua::new(concat!(
 ));
 /// The extension script, on one server and on a cluster.
 pub(crate) static EXTEND: Lua = Lua::new(include_str!("../../lua/extend.lua"));
+/// The minimum hold's script \[H7\]: the extension, and the hold's record
+/// beside the lock (`lua/hold_record.lua`, then `lua/extend.lua`).
+pub(crate) static HOLD: Lua = Lua::new(concat!(
+    include_str!("../../lua/hold_record.lua"),
+    "\n",
+    include_str!("../../lua/extend.lua")
+));
 /// The release script of one server: `PUBLISH` on the release channel.
 pub(crate) static RELEASE: Lua = Lua::new(include_str!("../../lua/release.lua"));
 /// Several releases in one script run (see [`crate::batch`]).
