@@ -14,8 +14,9 @@ use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, OwnerToken,
 };
 use lock_redis::slot::key_slot;
-use lock_redis::testing::{shared_cluster, RedisServer, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::{Durability, RedisClusterBackend, RedisConfig, SetupError};
+use withlock_test_servers::redis::{shared_cluster, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(20);
 const TTL: Duration = Duration::from_secs(30);

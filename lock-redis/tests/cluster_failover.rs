@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use common::{node, within};
 use lock_core::{LockConfig, LockError, Locker};
 use lock_redis::slot::key_slot;
-use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::{RedisClusterBackend, RedisConfig};
 use tokio::sync::{oneshot, watch};
+use withlock_test_servers::redis::RedisCluster;
 
 const LIMIT: Duration = Duration::from_secs(40);
 

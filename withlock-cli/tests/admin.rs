@@ -283,7 +283,8 @@ async fn release_force_refuses_a_row_of_another_format() {
 /// master, `release --force` frees one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_commands_work_on_a_cluster_url() {
-    use lock_redis::testing::{shared_cluster, ScratchClusterBackend};
+    use lock_redis::testing::ScratchClusterBackend;
+    use withlock_test_servers::redis::shared_cluster;
     let cluster = tokio::task::block_in_place(shared_cluster);
     let backend = std::sync::Arc::new(ScratchClusterBackend::new(
         &cluster.urls(),
