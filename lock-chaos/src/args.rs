@@ -280,7 +280,7 @@ fn parse_run(mut f: Flags) -> Result<RunArgs, ArgsError> {
         faults,
         fence_url: f
             .take("fence-url")
-            .unwrap_or_else(lock_postgres::testing::database_url),
+            .unwrap_or_else(withlock_test_servers::postgres::database_url),
         out: f.take("out").map(PathBuf::from),
     };
     f.done()?;

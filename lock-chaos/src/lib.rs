@@ -99,10 +99,10 @@
 //! included, through guards that own the child handles (never a kill by
 //! name). Ctrl-C ends the fault schedule and still stops the workers
 //! gracefully. If the coordinator itself is killed, the workers see their
-//! stdin close and shut down, `redis-server` and PostgreSQL are killed by
-//! watchdogs; the fence table (and a PostgreSQL data directory under the
-//! temporary directory) are left, and the next run drops fence tables older
-//! than an hour.
+//! stdin close and shut down, the lock servers are killed by their
+//! watchdogs (withlock-test-servers'), which remove their directories; the
+//! fence table is left, and the next run drops fence tables older than an
+//! hour.
 //!
 //! | module | what |
 //! |---|---|

@@ -3,17 +3,16 @@
 //! ports), the faults injected into them, and the leak check.
 
 use std::io;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
-use lock_postgres::testing::{terminate_connections, TestError, TestServer};
+use lock_postgres::testing::{terminate_connections, TestError};
 use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
 use lock_redis::redis;
-use lock_redis::testing::RedisServer;
 use nix::sys::signal::Signal;
 use sqlx::postgres::{PgPool, PgPoolOptions};
+use withlock_test_servers::postgres::TestServer;
+use withlock_test_servers::redis::RedisServer;
 
 use crate::args::Backend;
 use crate::event::FaultKind;
@@ -41,8 +40,8 @@ pub enum ServerError {
     /// A Redis admin command failed.
     #[error("Redis admin command failed")]
     Redis(#[from] redis::RedisError),
-    /// The PostgreSQL test server failed.
-    #[error("PostgreSQL test server step failed")]
+    /// A PostgreSQL test helper (terminating connections) failed.
+    #[error("PostgreSQL test helper failed")]
     PgServer(#[from] TestError),
     /// The PostgreSQL lock table could not be made.
     #[error("PostgreSQL lock backend setup failed")]
@@ -375,15 +374,12 @@ async fn pg_held(url: &str, keys: &[String]) -> Result<Vec<HeldKey>, ServerError
         .collect())
 }
 
-/// A PostgreSQL server of its own with the lock table, a watchdog that
-/// kills it if this process dies without dropping it, and the processes a
-/// fault stopped.
+/// A PostgreSQL server of its own with the lock table. Its watchdog kills
+/// it (and resumes what a fault stopped) if this process dies without
+/// dropping it.
 pub struct PgServer {
     server: Arc<TestServer>,
     table: String,
-    stopped: Mutex<Vec<u32>>,
-    pid_file: PathBuf,
-    watchdog: Option<Child>,
 }
 
 impl std::fmt::Debug for PgServer {
@@ -391,35 +387,22 @@ impl std::fmt::Debug for PgServer {
         f.debug_struct("PgServer")
             .field("server", &self.server)
             .field("table", &self.table)
-            .finish_non_exhaustive()
+            .finish()
     }
 }
 
 impl PgServer {
     async fn start() -> Result<Self, ServerError> {
         let server = Arc::new(blocking(|| Ok(TestServer::start()?)).await?);
-        let pid_file = std::env::temp_dir().join(format!(
-            "withlock-chaos-pg-{:016x}.pids",
-            rand::random::<u64>()
-        ));
-        let mut pg = Self {
-            server,
-            table: String::new(),
-            stopped: Mutex::new(Vec::new()),
-            pid_file,
-            watchdog: None,
-        };
-        pg.write_pid_file(pg.postmaster().await?, &[])?;
-        pg.watchdog = spawn_watchdog(&pg.pid_file).ok();
         let backend = bounded("migrate", async {
-            let backend = PostgresBackend::connect(&pg.server.url()).await?;
+            let backend = PostgresBackend::connect(&server.url()).await?;
             backend.migrate().await?;
             Ok(backend)
         })
         .await?;
-        pg.table = backend.qualified_table().to_owned();
+        let table = backend.qualified_table().to_owned();
         backend.pool().close().await;
-        Ok(pg)
+        Ok(Self { server, table })
     }
 
     async fn admin(&self) -> Result<PgPool, ServerError> {
@@ -430,49 +413,17 @@ impl PgServer {
             .await?)
     }
 
-    /// The postmaster's pid: the parent of a backend serving us, read while
-    /// that backend still runs.
-    async fn postmaster(&self) -> Result<u32, ServerError> {
-        let pool = self.admin().await?;
-        let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&pool)
-            .await?;
-        let parent = u32::try_from(backend)
-            .map_err(io::Error::other)
-            .and_then(parent_of);
-        pool.close().await;
-        parent?.ok_or_else(|| ServerError::Io(io::Error::other("no postmaster for the backend")))
-    }
-
-    /// Writes `postmaster`, then the pids a fault stopped, for the watchdog.
-    fn write_pid_file(&self, postmaster: u32, stopped: &[u32]) -> Result<(), ServerError> {
-        let mut text = format!("{postmaster}\n");
-        for pid in stopped {
-            text.push_str(&format!("{pid}\n"));
-        }
-        std::fs::write(&self.pid_file, text)?;
-        Ok(())
-    }
-
     async fn inject(&self, kind: FaultKind, stop_for: Duration) -> Result<String, ServerError> {
         let url = self.server.url();
         match kind {
             FaultKind::ServerStop => {
-                let postmaster = self.postmaster().await?;
-                let mut pids = vec![postmaster];
-                pids.extend(children_of(postmaster)?);
-                self.write_pid_file(postmaster, &pids)?;
-                for &pid in &pids {
-                    if signal(pid, Signal::SIGSTOP).is_ok() {
-                        self.lock_stopped().push(pid);
-                    }
-                }
+                let s = Arc::clone(&self.server);
+                let backends = blocking(move || Ok(s.pause()?)).await?;
                 tokio::time::sleep(stop_for).await;
-                self.resume_stopped();
-                self.write_pid_file(postmaster, &[])?;
+                let s = Arc::clone(&self.server);
+                blocking(move || Ok(s.resume()?)).await?;
                 Ok(format!(
-                    "postmaster and {} backends stopped for {} ms",
-                    pids.len() - 1,
+                    "postmaster and {backends} backends stopped for {} ms",
                     stop_for.as_millis()
                 ))
             }
@@ -494,7 +445,6 @@ impl PgServer {
                     Ok(s.start_again()?)
                 })
                 .await?;
-                self.write_pid_file(self.postmaster().await?, &[])?;
                 Ok("pg_ctl stop -m immediate, then start".to_owned())
             }
             FaultKind::PgDeleteRows => {
@@ -508,108 +458,6 @@ impl PgServer {
                 "{} is not a PostgreSQL fault",
                 other.name()
             )))),
-        }
-    }
-
-    fn lock_stopped(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        self.stopped.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn resume_stopped(&self) {
-        for pid in self.lock_stopped().drain(..) {
-            let _ = signal(pid, Signal::SIGCONT);
-        }
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        // A stopped postmaster would make the server's own drop wait.
-        self.resume_stopped();
-        if let Some(mut watchdog) = self.watchdog.take() {
-            let _ = watchdog.kill();
-            let _ = watchdog.wait();
-        }
-        let _ = std::fs::remove_file(&self.pid_file);
-    }
-}
-
-/// A shell that waits for this process to end; if it ends without
-/// dropping the server (SIGKILL), resumes the pids in `pid_file` and kills
-/// the postmaster (its first line), whose backends then exit.
-fn spawn_watchdog(pid_file: &std::path::Path) -> io::Result<Child> {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "while kill -0 {parent} 2>/dev/null; do sleep 1; done; \
-             f={file}; for p in $(cat \"$f\"); do kill -CONT \"$p\" 2>/dev/null; done; \
-             kill -9 \"$(head -n 1 \"$f\")\" 2>/dev/null; rm -f \"$f\"",
-            parent = std::process::id(),
-            file = pid_file.display(),
-        ))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-}
-
-/// The parent pid of `pid`, from `/proc/<pid>/stat`.
-fn parent_of(pid: u32) -> io::Result<Option<u32>> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    Ok(parse_ppid(&stat))
-}
-
-/// The fourth field of a `/proc/<pid>/stat` line; the second (the command
-/// name, in parentheses) may hold spaces and parentheses.
-fn parse_ppid(stat: &str) -> Option<u32> {
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// The pids whose parent is `parent`.
-fn children_of(parent: u32) -> io::Result<Vec<u32>> {
-    let mut children = Vec::new();
-    for entry in std::fs::read_dir("/proc")? {
-        let Some(pid) = entry?
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        // Processes may end while we look.
-        if let Ok(Some(ppid)) = parent_of(pid) {
-            if ppid == parent {
-                children.push(pid);
-            }
-        }
-    }
-    Ok(children)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_parent_pid_is_read_past_odd_command_names() {
-        assert_eq!(
-            parse_ppid("123 (post gres: a) b)) S 77 123 123 0"),
-            Some(77)
-        );
-        assert_eq!(parse_ppid("garbage"), None);
-        let me = std::process::id();
-        let child = Reap(Command::new("sleep").arg("5").spawn().unwrap());
-        assert_eq!(parent_of(child.0.id()).unwrap(), Some(me));
-        assert!(children_of(me).unwrap().contains(&child.0.id()));
-    }
-
-    struct Reap(Child);
-
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
         }
     }
 }

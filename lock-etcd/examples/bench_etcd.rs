@@ -19,7 +19,7 @@
 //!   over every handoff while waiters are queued. Target p50 ≤ 2 ms.
 //!
 //! Against `ETCD_ENDPOINT` (an `http://host:2379` URL), or else a
-//! single-member etcd of its own started by `lock_etcd::testing` (Debian's
+//! single-member etcd of its own started by `withlock-test-servers` (Debian's
 //! `etcd` on `PATH`, data on `/dev/shm`). Names are in a random namespace;
 //! every lock is released, so nothing is left but the fencing records.
 //! Run it in release mode; name parts to run only those:
@@ -36,8 +36,8 @@ use lock_etcd::etcd_client::{
     Client, Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
     TxnOpResponse,
 };
-use lock_etcd::testing::EtcdCluster;
 use lock_etcd::{EtcdBackend, EtcdConfig, LockConfig, Locker, LockerOptions};
+use withlock_test_servers::etcd::EtcdCluster;
 
 #[path = "../../bench-support/bench_support.rs"]
 mod bench_support;

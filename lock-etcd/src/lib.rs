@@ -7,8 +7,6 @@ mod endpoints;
 mod error;
 mod keepalive;
 mod layout;
-#[cfg(feature = "testing")]
-pub mod testing;
 mod watch;
 
 pub use backend::{EtcdBackend, MAX_EXTEND_BATCH};

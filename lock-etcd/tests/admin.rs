@@ -2,11 +2,14 @@
 //! ends within the step timeout with a `Timeout` error, and changes
 //! nothing on the store.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::EtcdClusterExt;
 use lock_etcd::lock_core::AdminError;
 use lock_etcd::lock_core::{AcquireOutcome, BackendErrorKind, LockAdmin, LockBackend, OwnerToken};
-use lock_etcd::testing::EtcdCluster;
+use withlock_test_servers::etcd::EtcdCluster;
 
 /// Slack over the step timeout on a loaded machine.
 const MARGIN: Duration = Duration::from_secs(2);

@@ -3,15 +3,18 @@
 //! after its put was sent [S1]. Neither leaves a contender key, a lease or
 //! an entry of the backend's lease map behind [T2].
 
+mod common;
+
 use std::future::Future;
 use std::pin::pin;
 use std::task::Poll;
 use std::time::Duration;
 
+use common::EtcdClusterExt;
 use lock_etcd::etcd_client::{EventType, GetOptions, WatchOptions};
 use lock_etcd::lock_core::{LockBackend, OwnerToken};
-use lock_etcd::testing::EtcdCluster;
 use lock_etcd::EtcdBackend;
+use withlock_test_servers::etcd::EtcdCluster;
 
 const SOON: Duration = Duration::from_secs(5);
 

@@ -1,8 +1,11 @@
 //! The whole conformance suite on etcd: one single-member etcd for the
-//! test process (`lock_etcd::testing::shared_server`), a backend of its
+//! test process (`withlock_test_servers::etcd::shared_server`), a backend of its
 //! own per case; each case's keys live in a random namespace of its own.
 
-use lock_etcd::testing::shared_server;
+mod common;
+
+use common::EtcdClusterExt;
+use withlock_test_servers::etcd::shared_server;
 
 mod with_notifications {
     use super::*;

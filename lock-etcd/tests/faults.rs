@@ -4,12 +4,15 @@
 //! overlap unless the older one was reported lost, and locking goes on
 //! after each fault.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lock_etcd::testing::EtcdCluster;
+use common::EtcdClusterExt;
 use lock_etcd::{EtcdBackend, EtcdConfig, LockConfig, LockError, Locker, LockerOptions};
 use tokio::time::Instant;
+use withlock_test_servers::etcd::EtcdCluster;
 
 #[derive(Clone, Copy, Debug)]
 struct Section {

@@ -2,14 +2,17 @@
 //! exclude each other on the same name, both ways: they share its key
 //! layout.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::Duration;
 
+use common::EtcdClusterExt;
 use lock_etcd::etcd_client::GetOptions;
-use lock_etcd::testing::{shared_server, EtcdCluster};
 use lock_etcd::{EtcdBackend, LockConfig, Locker, LockerOptions};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
+use withlock_test_servers::etcd::{shared_server, EtcdCluster};
 
 const SOON: Duration = Duration::from_secs(10);
 

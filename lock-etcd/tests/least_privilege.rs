@@ -3,12 +3,15 @@
 //! release frees the name at once (it used to be refused for the fencing
 //! token's record, silently, leaving the key for its ttl).
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::EtcdClusterExt;
 use lock_etcd::etcd_client::GetOptions;
-use lock_etcd::testing::EtcdCluster;
 use lock_etcd::{EtcdBackend, LockAdmin, LockConfig, Locker, LockerOptions};
+use withlock_test_servers::etcd::EtcdCluster;
 
 /// Where a few round trips on a loaded machine fit many times over.
 const SOON: Duration = Duration::from_secs(5);

@@ -1,11 +1,14 @@
 //! A lock whose lease or key is removed by hand is reported lost, cause
 //! `Taken` [L1], and the next holder's token is higher [H4].
 
+mod common;
+
 use std::time::Duration;
 
-use lock_etcd::testing::shared_server;
+use common::EtcdClusterExt;
 use lock_etcd::{EtcdBackend, LockConfig, LockError, Locker, LockerOptions, LossCause};
 use tokio::sync::oneshot;
+use withlock_test_servers::etcd::shared_server;
 
 fn key(name: &str) -> String {
     lock_conformance::Namespace::new().key(name)

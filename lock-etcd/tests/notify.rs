@@ -2,12 +2,15 @@
 //! wakes for a deletion of the holder's key, not for the busy attempts of
 //! waiters; a waiter is woken by the holder's release at once.
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::EtcdClusterExt;
 use lock_etcd::lock_core::{AcquireOutcome, LockAdmin, LockBackend, OwnerToken};
-use lock_etcd::testing::shared_server;
+use withlock_test_servers::etcd::shared_server;
 
 const SOON: Duration = Duration::from_secs(10);
 

@@ -3,10 +3,13 @@
 //! keep-alive task and the connections live on the background runtime)
 //! and wakes its waiters (the watch task) on another runtime.
 
+mod common;
+
 use std::time::Duration;
 
+use common::EtcdClusterExt;
 use lock_conformance::runtimes::{t1_locker_outlives_runtime, RuntimeState};
-use lock_etcd::testing::shared_server;
+use withlock_test_servers::etcd::shared_server;
 
 /// Twice etcd's lease floor in the tests (1 s), for a loaded machine.
 const TTL: Duration = Duration::from_secs(2);

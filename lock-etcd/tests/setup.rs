@@ -1,10 +1,13 @@
 //! Bad configuration is a clear setup error at construction, never an
 //! acquisition retried as busy [A8].
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use lock_etcd::testing::EtcdCluster;
+use common::EtcdClusterExt;
 use lock_etcd::{EtcdBackend, EtcdConfig, LockConfig, LockError, Locker, SetupError};
+use withlock_test_servers::etcd::EtcdCluster;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

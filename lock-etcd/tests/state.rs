@@ -8,14 +8,17 @@
 //! each takes well under a minute on an idle 2-core machine (about
 //! 10,000 × 3 to 5 etcd requests), and prints how long it took.
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::EtcdClusterExt;
 use lock_etcd::etcd_client::DeleteOptions;
 use lock_etcd::lock_core::{AcquireOutcome, ExtendOutcome, Lease, LockBackend, OwnerToken};
-use lock_etcd::testing::EtcdCluster;
 use lock_etcd::{EtcdBackend, Locker};
+use withlock_test_servers::etcd::EtcdCluster;
 
 const KEYS: usize = 10_000;
 const AT_ONCE: usize = 64;

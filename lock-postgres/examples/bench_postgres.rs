@@ -19,9 +19,10 @@ use std::time::Duration;
 
 use bench_support::{percentile, Spread};
 use lock_core::{LockConfig, Locker, LockerOptions, OwnerToken};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
 use lock_postgres::PostgresConfig;
 use tokio::time::Instant;
+use withlock_test_servers::postgres::database_url;
 
 #[path = "../../bench-support/bench_support.rs"]
 mod bench_support;

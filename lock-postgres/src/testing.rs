@@ -1,26 +1,25 @@
-//! Test support: a lock table in a schema of its own on a shared server,
-//! and PostgreSQL servers a test starts, stops and restarts itself.
+//! Test support for your own tests on PostgreSQL: a lock table in a
+//! schema of its own on a shared server, dropped afterwards.
 //!
 //! The crate's own tests use it; so can yours.
 //!
 //! - [`TestSchema`] makes a schema named `withlock_test_<unix secs>_<random>`
-//!   with the lock table in it, and drops it when dropped. Schemas of this
-//!   prefix older than an hour (left by a killed test run) are dropped when
-//!   the first schema of a process is made.
+//!   and drops it when dropped. Schemas of this prefix older than an hour
+//!   (left by a killed test run) are dropped when the first schema of a
+//!   process is made.
 //! - [`TestBackend`] is a [`PostgresBackend`] on a fresh pool, with a
 //!   [`TestSchema`] of its own and a random `application_name`, so that a
-//!   test can find (and terminate) exactly its own connections.
-//! - [`TestServer`] runs `initdb` and `pg_ctl` from the local PostgreSQL
-//!   installation into a temporary directory, on a free loopback port; with
-//!   the `testcontainers` feature, `docker()` starts PostgreSQL in Docker
-//!   instead.
+//!   test can find (and [`terminate_connections`]) exactly its own
+//!   connections.
+//! - With the `testcontainers` feature, `docker()` starts PostgreSQL in
+//!   Docker.
 //!
-//! Everything waits with a bound: no helper here can hang a test.
+//! Everything waits with a bound: no helper here can hang a test. (The
+//! PostgreSQL servers the workspace's own tests stop and restart are in its
+//! unpublished `withlock-test-servers` crate.)
 
 use std::fmt;
 use std::ops::Deref;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -28,9 +27,6 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::ConnectOptions;
 
 use crate::{quote_identifier, PostgresBackend, PostgresConfig, SetupError};
-
-/// The server the tests use unless `DATABASE_URL` says otherwise.
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
 /// The prefix of every schema [`TestSchema`] makes.
 pub const SCHEMA_PREFIX: &str = "withlock_test_";
@@ -40,11 +36,6 @@ pub const STALE_AFTER: Duration = Duration::from_secs(3600);
 
 /// The bound on each helper's wait for the database.
 const WAIT: Duration = Duration::from_secs(10);
-
-/// `DATABASE_URL`, or [`DEFAULT_DATABASE_URL`].
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
 
 /// What a test helper can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -59,12 +50,6 @@ pub enum TestError {
     /// A helper did not finish within its bound.
     #[error("test helper timed out: {0}")]
     Timeout(&'static str),
-    /// A PostgreSQL program could not be run or failed.
-    #[error("PostgreSQL program failed: {0}")]
-    Server(String),
-    /// Running a program or using the temporary directory failed.
-    #[error("test server i/o failed")]
-    Io(#[from] std::io::Error),
 }
 
 /// A one-connection pool of its own for a helper's statements (a pool
@@ -354,210 +339,6 @@ pub async fn terminate_connections(
     .await?;
     conn.close().await;
     Ok(u64::try_from(n).unwrap_or(0))
-}
-
-/// A PostgreSQL server of its own, in a temporary directory, on a free
-/// loopback port, with trust authentication for the user `postgres`.
-///
-/// Made from the local installation (`PG_BIN`, else the newest
-/// `/usr/lib/postgresql/*/bin`). As root, the programs run as the `postgres`
-/// system user through `runuser`, since `initdb` refuses root. Dropping it
-/// stops the server (immediate mode) and removes the directory. Its methods
-/// block: call them from `spawn_blocking` in async code.
-pub struct TestServer {
-    bin: PathBuf,
-    dir: PathBuf,
-    port: u16,
-    as_postgres: bool,
-}
-
-impl TestServer {
-    /// Initialises and starts a server.
-    ///
-    /// # Errors
-    ///
-    /// [`TestError::Server`] when no PostgreSQL installation is found or a
-    /// program fails; whatever was made is removed.
-    pub fn start() -> Result<Self, TestError> {
-        let bin = pg_bin()?;
-        let as_postgres = is_root();
-        let dir = std::env::temp_dir().join(format!("withlock-pg-{:016x}", rand::random::<u64>()));
-        std::fs::create_dir_all(&dir)?;
-        let port = free_port()?;
-        let server = Self {
-            bin,
-            dir,
-            port,
-            as_postgres,
-        };
-        if as_postgres {
-            run(Command::new("chown").arg("postgres:").arg(&server.dir))?;
-        }
-        let data = server.data_dir();
-        server.run_pg(
-            "initdb",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-A".as_ref(),
-                "trust".as_ref(),
-                "-U".as_ref(),
-                "postgres".as_ref(),
-                "-E".as_ref(),
-                "UTF8".as_ref(),
-                "--no-sync".as_ref(),
-            ],
-        )?;
-        server.start_again()?;
-        Ok(server)
-    }
-
-    /// The URL of the `postgres` database on this server.
-    pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    /// The port the server listens on.
-    pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    /// Stops the server at once (`pg_ctl stop -m immediate`), as a crash
-    /// would: connections are cut and it is unreachable until
-    /// [`start_again`](Self::start_again).
-    ///
-    /// # Errors
-    ///
-    /// [`TestError::Server`] when `pg_ctl` fails.
-    pub fn stop(&self) -> Result<(), TestError> {
-        let data = self.data_dir();
-        self.run_pg(
-            "pg_ctl",
-            &[
-                "stop".as_ref(),
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-m".as_ref(),
-                "immediate".as_ref(),
-                "-w".as_ref(),
-                "-t".as_ref(),
-                "30".as_ref(),
-            ],
-        )
-        .map(drop)
-    }
-
-    /// Starts the stopped server again on the same port and data.
-    ///
-    /// # Errors
-    ///
-    /// [`TestError::Server`] when `pg_ctl` fails or the server is not ready
-    /// within 30 s.
-    pub fn start_again(&self) -> Result<(), TestError> {
-        let data = self.data_dir();
-        let log = self.dir.join("server.log");
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50",
-            self.port,
-            self.dir.display()
-        );
-        self.run_pg(
-            "pg_ctl",
-            &[
-                "start".as_ref(),
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-l".as_ref(),
-                log.as_os_str(),
-                "-o".as_ref(),
-                options.as_ref(),
-                "-w".as_ref(),
-                "-t".as_ref(),
-                "30".as_ref(),
-            ],
-        )
-        .map(drop)
-    }
-
-    fn data_dir(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    fn run_pg(&self, program: &str, args: &[&std::ffi::OsStr]) -> Result<Output, TestError> {
-        let path = self.bin.join(program);
-        let mut command = if self.as_postgres {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(&path);
-            c
-        } else {
-            Command::new(&path)
-        };
-        command.args(args).current_dir(&self.dir);
-        run(&mut command)
-    }
-}
-
-impl fmt::Debug for TestServer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TestServer")
-            .field("port", &self.port)
-            .field("dir", &self.dir)
-            .finish()
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        let _ = self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn run(command: &mut Command) -> Result<Output, TestError> {
-    let output = command.output()?;
-    if output.status.success() {
-        Ok(output)
-    } else {
-        Err(TestError::Server(format!(
-            "{:?} exited with {}: {}",
-            command.get_program(),
-            output.status,
-            String::from_utf8_lossy(&output.stderr).trim()
-        )))
-    }
-}
-
-fn pg_bin() -> Result<PathBuf, TestError> {
-    if let Some(bin) = std::env::var_os("PG_BIN") {
-        return Ok(bin.into());
-    }
-    let root = Path::new("/usr/lib/postgresql");
-    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(root)
-        .map_err(|e| TestError::Server(format!("no PostgreSQL under {}: {e}", root.display())))?
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.parse().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("initdb").exists().then_some((version, bin))
-        })
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .map(|(_, bin)| bin)
-        .ok_or_else(|| TestError::Server("no initdb found; set PG_BIN".into()))
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
-}
-
-fn free_port() -> std::io::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }
 
 /// PostgreSQL in Docker, for machines with a Docker engine and no local

@@ -7,7 +7,8 @@
 use std::time::Duration;
 
 use lock_core::{AdminError, LockAdmin, OwnerToken};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
+use withlock_test_servers::postgres::database_url;
 
 const HEX: &str = "0123456789abcdef0123456789abcdef";
 

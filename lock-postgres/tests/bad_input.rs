@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{InvalidInput, LockConfig, LockError, Locker};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
 use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
 use sqlx::postgres::PgPoolOptions;
+use withlock_test_servers::postgres::database_url;
 
 const SOON: Duration = Duration::from_secs(10);
 

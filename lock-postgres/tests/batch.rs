@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use lock_core::{AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, OwnerToken};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
 use lock_postgres::MAX_EXTEND_BATCH;
+use withlock_test_servers::postgres::database_url;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_batch_is_extended_in_one_call_in_order() {

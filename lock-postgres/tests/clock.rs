@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{LockConfig, Locker};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
+use withlock_test_servers::postgres::database_url;
 
 #[test]
 fn a_client_clock_an_hour_off_changes_nothing() {

@@ -17,7 +17,8 @@
 
 use std::time::Duration;
 
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
+use withlock_test_servers::postgres::database_url;
 
 lock_conformance::conformance_tests!(lock_conformance::with_min_ttl(
     Duration::from_secs(1),

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{LockConfig, LockError, Locker, LockerOptions, LossCause};
-use lock_postgres::testing::{database_url, terminate_connections, TestBackend, TestServer};
+use lock_postgres::testing::{terminate_connections, TestBackend};
 use lock_postgres::PostgresConfig;
 use tokio::sync::oneshot;
+use withlock_test_servers::postgres::{database_url, TestServer};
 
 const SOON: Duration = Duration::from_secs(10);
 

@@ -14,10 +14,11 @@ use lock_core::{
     AcquireOutcome, BackendErrorKind, Lease, LockBackend, LockConfig, LockError, Locker,
     OwnerToken, ReleaseOutcome,
 };
-use lock_postgres::testing::{database_url, TestBackend, TestSchema};
+use lock_postgres::testing::{TestBackend, TestSchema};
 use lock_postgres::{PostgresBackend, PostgresConfig, SetupError};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
+use withlock_test_servers::postgres::database_url;
 
 const SOON: Duration = Duration::from_secs(10);
 

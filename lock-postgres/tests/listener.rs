@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::{LockBackend, LockConfig, Locker, LockerOptions};
-use lock_postgres::testing::{database_url, terminate_connections, TestBackend};
+use lock_postgres::testing::{terminate_connections, TestBackend};
 use lock_postgres::PostgresConfig;
 use tokio::time::Instant;
+use withlock_test_servers::postgres::database_url;
 
 const SOON: Duration = Duration::from_secs(10);
 

@@ -7,9 +7,10 @@
 use std::time::Duration;
 
 use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, ReleaseOutcome};
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
+use withlock_test_servers::postgres::database_url;
 
 /// Locker's statements on `table` (the gem's `locks`).
 struct Ruby {

@@ -21,8 +21,9 @@ use common::Observed;
 use lock_conformance::node;
 use lock_conformance::runtimes::{t1_locker_outlives_runtime, RuntimeState};
 use lock_core::LockConfig;
-use lock_postgres::testing::{database_url, TestBackend};
+use lock_postgres::testing::TestBackend;
 use tokio::time::Instant;
+use withlock_test_servers::postgres::database_url;
 
 /// The waiter's retry delay: only a notification wakes it sooner.
 const RETRY: Duration = Duration::from_secs(30);

@@ -2,8 +2,9 @@
 //! database, as on every backend.
 
 use lock_core::{BackendErrorKind, LockBackend, Locker, OwnerToken};
-use lock_postgres::testing::{database_url, TestSchema};
+use lock_postgres::testing::TestSchema;
 use lock_postgres::{PostgresBackend, SetupError};
+use withlock_test_servers::postgres::database_url;
 
 fn closed_port_url() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -28,9 +28,10 @@ use std::time::Duration;
 use common::Observed;
 use lock_conformance::node;
 use lock_core::{BackendErrorKind, LockConfig, LockError, LossCause};
-use lock_postgres::testing::{database_url, TestBackend, TestSchema};
+use lock_postgres::testing::{TestBackend, TestSchema};
 use lock_postgres::{PostgresBackend, PostgresConfig};
 use tokio::time::Instant;
+use withlock_test_servers::postgres::database_url;
 
 const KEYS: usize = 10_000;
 /// Keys worked on at once, as a busy service would.

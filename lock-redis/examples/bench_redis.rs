@@ -51,9 +51,10 @@ use std::time::{Duration, Instant};
 use bench_support::{cpu_time, median, percentile, rotating_rounds, round_ratios};
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, Locker, LockerOptions};
-use lock_redis::testing::{server_url, Namespace};
+use lock_redis::testing::Namespace;
 use lock_redis::{RedisBackend, RedisConfig};
 use redis::Script;
+use withlock_test_servers::redis::server_url;
 
 #[path = "../../bench-support/bench_support.rs"]
 mod bench_support;

@@ -41,9 +41,10 @@ use std::time::{Duration, Instant};
 
 use lock_core::{Locker, LockerOptions};
 use lock_redis::slot::{fence_key, key_slot};
-use lock_redis::testing::{RedisCluster, ACQUIRE_SCRIPT, RELEASE_SHARDED_SCRIPT};
+use lock_redis::testing::{ACQUIRE_SCRIPT, RELEASE_SHARDED_SCRIPT};
 use lock_redis::{RedisClusterBackend, RedisConfig};
 use redis::{Script, Value};
+use withlock_test_servers::redis::RedisCluster;
 
 #[path = "../../bench-support/bench_support.rs"]
 mod bench_support;

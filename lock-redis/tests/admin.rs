@@ -13,11 +13,10 @@ use common::{node, raw, subscriber, within};
 use futures_util::StreamExt;
 use lock_core::{AdminError, LockAdmin, OwnerToken};
 use lock_redis::slot::fence_key;
-use lock_redis::testing::{
-    server_url, shared_cluster, Namespace, ScratchClusterBackend, SentinelGroup, MASTER_NAME,
-};
+use lock_redis::testing::{Namespace, ScratchClusterBackend};
 use lock_redis::{RedisBackend, RedisConfig, RedisSentinelBackend};
 use redis::aio::MultiplexedConnection;
+use withlock_test_servers::redis::{server_url, shared_cluster, SentinelGroup, MASTER_NAME};
 
 const LIMIT: Duration = Duration::from_secs(20);
 const TOKEN: &str = "other-node/0123456789abcdef0123456789abcdef";

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use common::{assert_not_acquired_by_redis_error, node, raw, within};
 use lock_core::{InvalidInput, LockConfig, LockError, MAX_KEY_LEN};
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::Namespace;
 use lock_redis::{RedisBackend, SetupError};
 use redis::AsyncCommands;
+use withlock_test_servers::redis::{server_url, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(10);
 

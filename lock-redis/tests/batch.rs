@@ -14,9 +14,9 @@ use common::{key_type, node, raw, refused_for_its_counter, subscriber, within};
 use futures_util::future::join_all;
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, ReleaseOutcome};
-use lock_redis::testing::RedisServer;
 use lock_redis::RedisBackend;
 use redis::AsyncCommands;
+use withlock_test_servers::redis::RedisServer;
 
 const LIMIT: Duration = Duration::from_secs(20);
 const TTL: Duration = Duration::from_secs(30);

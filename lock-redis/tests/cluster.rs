@@ -14,8 +14,9 @@ use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, OwnerToken,
 };
 use lock_redis::slot::key_slot;
-use lock_redis::testing::{shared_cluster, RedisServer, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::{Durability, RedisClusterBackend, RedisConfig, SetupError};
+use withlock_test_servers::redis::{shared_cluster, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(20);
 const TTL: Duration = Duration::from_secs(30);
@@ -480,7 +481,7 @@ async fn durability_waits_for_the_replicas_of_the_key_s_master() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_cluster_list_names_a_master_that_does_not_answer() {
     use lock_core::{BackendErrorKind, LockAdmin};
-    use lock_redis::testing::RedisCluster;
+    use withlock_test_servers::redis::RedisCluster;
 
     let cluster = RedisCluster::start_with(3, 0).unwrap();
     let step = Duration::from_secs(1);

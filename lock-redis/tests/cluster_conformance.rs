@@ -11,8 +11,9 @@
 //! as on a single node (see `conformance.rs`): 400 ms leaves a loaded
 //! machine's extension too little time.
 
-use lock_redis::testing::{shared_cluster, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::RedisConfig;
+use withlock_test_servers::redis::shared_cluster;
 
 /// The cases' smallest ttl (see the module's text).
 const MIN_TTL: std::time::Duration = std::time::Duration::from_secs(1);

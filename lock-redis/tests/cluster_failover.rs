@@ -13,9 +13,10 @@ use common::{node, within};
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{ErrorChain, LockConfig, LockError, Locker, LossCause};
 use lock_redis::slot::key_slot;
-use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::{RedisClusterBackend, RedisConfig};
 use tokio::sync::{oneshot, watch};
+use withlock_test_servers::redis::RedisCluster;
 
 const LIMIT: Duration = Duration::from_secs(40);
 

@@ -2,7 +2,7 @@
 //! `CLUSTER KEYSLOT`, for odd keys and for their fencing companions.
 
 use lock_redis::slot::{fence_key, key_slot};
-use lock_redis::testing::RedisServer;
+use withlock_test_servers::redis::RedisServer;
 
 fn keys() -> Vec<String> {
     let mut keys: Vec<String> = [

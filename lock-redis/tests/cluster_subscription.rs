@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use common::{node, within};
 use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken};
 use lock_redis::slot::key_slot;
-use lock_redis::testing::{RedisCluster, ScratchClusterBackend};
+use lock_redis::testing::ScratchClusterBackend;
 use lock_redis::{RedisClusterBackend, RedisConfig};
+use withlock_test_servers::redis::RedisCluster;
 
 const LIMIT: Duration = Duration::from_secs(60);
 

@@ -12,8 +12,9 @@
 //! ttls are covered by its own tests (`faults.rs`, `batch.rs`,
 //! `fence_expiry.rs`).
 
-use lock_redis::testing::{server_url, ScratchBackend};
+use lock_redis::testing::ScratchBackend;
 use lock_redis::RedisConfig;
+use withlock_test_servers::redis::server_url;
 
 /// The cases' smallest ttl (see the module's text).
 const MIN_TTL: std::time::Duration = std::time::Duration::from_secs(1);

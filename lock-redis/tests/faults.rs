@@ -13,10 +13,11 @@ use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockBackend, LockConfig, LossCause,
     OwnerToken, ReleaseOutcome,
 };
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::Namespace;
 use lock_redis::RedisBackend;
 use redis::AsyncCommands;
 use tokio::sync::oneshot;
+use withlock_test_servers::redis::{server_url, RedisServer};
 
 const TTL: Duration = Duration::from_millis(600);
 const LIMIT: Duration = Duration::from_secs(15);

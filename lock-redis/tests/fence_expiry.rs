@@ -15,9 +15,10 @@ use lock_core::{
     AcquireOutcome, ExtendOutcome, ExtendRequest, Lease, LockAdmin, LockBackend, LockConfig,
     OwnerToken, ReleaseOutcome,
 };
-use lock_redis::testing::{server_url, Namespace};
+use lock_redis::testing::Namespace;
 use lock_redis::{RedisBackend, RedisConfig, SetupError};
 use redis::AsyncCommands;
+use withlock_test_servers::redis::server_url;
 
 const LIMIT: Duration = Duration::from_secs(20);
 

@@ -13,9 +13,10 @@ use common::{node, raw, redis_error_in, refused_for_its_counter, within};
 use lock_core::{
     AcquireOutcome, BackendErrorKind, Lease, LockBackend, LockConfig, LockError, Locker, OwnerToken,
 };
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::Namespace;
 use lock_redis::{RedisBackend, RedisConfig};
 use redis::AsyncCommands;
+use withlock_test_servers::redis::{server_url, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(15);
 

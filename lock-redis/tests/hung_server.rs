@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use common::{loss_cause, node, redis_error_in, within};
 use lock_conformance::{CountingBackend, Step};
 use lock_core::{LockConfig, LockError, LossCause};
-use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
 use tokio::sync::oneshot;
+use withlock_test_servers::redis::RedisServer;
 
 /// The command timeout of every backend here.
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(300);

@@ -10,8 +10,8 @@ use std::sync::LazyLock;
 use common::acl::{
     as_user, set_user, AsUsers, LOCKER, OPERATOR, OPERATOR_EXTRA, PREFIX, SINGLE_NODE,
 };
-use lock_redis::testing::RedisServer;
 use lock_redis::{RedisBackend, RedisConfig};
+use withlock_test_servers::redis::RedisServer;
 
 static SERVER: LazyLock<RedisServer> = LazyLock::new(|| {
     let server = RedisServer::start().expect("a redis-server of this test's own");

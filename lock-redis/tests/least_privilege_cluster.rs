@@ -9,8 +9,8 @@ mod common;
 use std::sync::LazyLock;
 
 use common::acl::{as_user, set_user, AsUsers, CLUSTER, OPERATOR_EXTRA, PREFIX};
-use lock_redis::testing::RedisCluster;
 use lock_redis::{RedisClusterBackend, RedisConfig};
+use withlock_test_servers::redis::RedisCluster;
 
 static CLUSTER_OF_OUR_OWN: LazyLock<RedisCluster> = LazyLock::new(|| {
     let cluster = RedisCluster::start().expect("a Redis Cluster of this test's own");

@@ -10,8 +10,8 @@ mod common;
 use std::sync::LazyLock;
 
 use common::acl::{set_user, AsUsers, OPERATOR_EXTRA, PREFIX, SENTINEL_EXTRA, SINGLE_NODE};
-use lock_redis::testing::{SentinelGroup, MASTER_NAME};
 use lock_redis::{RedisConfig, RedisSentinelBackend, SentinelConfig};
+use withlock_test_servers::redis::{SentinelGroup, MASTER_NAME};
 
 static GROUP: LazyLock<SentinelGroup> = LazyLock::new(|| {
     let group = SentinelGroup::start(1).expect("a Sentinel group of this test's own");

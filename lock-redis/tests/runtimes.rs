@@ -17,10 +17,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use lock_core::{AcquireOutcome, Lease, LockBackend, OwnerToken};
-use lock_redis::testing::{
-    redis_url, shared_cluster, ScratchBackend, ScratchClusterBackend, SentinelGroup, MASTER_NAME,
-};
+use lock_redis::testing::{ScratchBackend, ScratchClusterBackend};
 use lock_redis::{RedisBackend, RedisClusterBackend, RedisConfig, RedisSentinelBackend};
+use withlock_test_servers::redis::{redis_url, shared_cluster, SentinelGroup, MASTER_NAME};
 
 /// Long enough that a step from B never times out on a loaded machine
 /// when the backend is right; on the old code a step on a connection of

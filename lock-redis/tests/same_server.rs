@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lock_core::{AcquireOutcome, LockBackend, LockConfig, Locker, OwnerToken};
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::Namespace;
 use lock_redis::{deadpool_redis, redis, RedisBackend, RedisConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use withlock_test_servers::redis::{server_url, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(10);
 const OFF_LOG: &str = "did not hear 3 probes in a row";

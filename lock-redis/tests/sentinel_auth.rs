@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{node, within};
 use lock_core::{BackendErrorKind, LockConfig, LockError};
-use lock_redis::testing::{SentinelAuth, SentinelGroup, MASTER_NAME};
 use lock_redis::{RedisConfig, RedisSentinelBackend, SentinelConfig, SetupError};
+use withlock_test_servers::redis::{SentinelAuth, SentinelGroup, MASTER_NAME};
 
 const LIMIT: Duration = Duration::from_secs(40);
 const DATA_PW: &str = "data-pw-5f1c";

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{node, within};
 use lock_core::{LockConfig, LockError};
-use lock_redis::testing::{SentinelGroup, MASTER_NAME};
 use lock_redis::{Durability, RedisConfig, RedisSentinelBackend, SetupError};
+use withlock_test_servers::redis::{SentinelGroup, MASTER_NAME};
 
 const LIMIT: Duration = Duration::from_secs(40);
 
@@ -257,7 +257,7 @@ async fn acquisitions_leave_a_resumed_old_primary_once_the_sentinels_switch() {
     const BOUND: Duration = Duration::from_secs(2);
     let group = SentinelGroup::start_with_auth(
         1,
-        &lock_redis::testing::SentinelAuth {
+        &withlock_test_servers::redis::SentinelAuth {
             data_node_password: Some(DATA_PW.to_owned()),
             sentinel_password: Some("sentinel-secret".to_owned()),
         },

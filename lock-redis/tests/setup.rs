@@ -6,8 +6,9 @@
 use std::time::Duration;
 
 use lock_core::{BackendErrorKind, LockBackend, LockConfig, Locker};
-use lock_redis::testing::{server_url, Namespace};
+use lock_redis::testing::Namespace;
 use lock_redis::{deadpool_redis, redis, RedisBackend, SetupError};
+use withlock_test_servers::redis::server_url;
 
 fn closed_port_url() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
 use lock_core::{AcquireOutcome, ExtendOutcome, Lease, LockBackend, Locker, OwnerToken};
-use lock_redis::testing::{redis_url, shared_cluster, ScratchBackend, ScratchClusterBackend};
+use lock_redis::testing::{ScratchBackend, ScratchClusterBackend};
 use lock_redis::{redis, RedisConfig};
+use withlock_test_servers::redis::{redis_url, shared_cluster};
 
 const KEYS: usize = 10_000;
 /// Calls in flight at once.

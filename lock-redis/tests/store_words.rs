@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use common::{acl, raw, redis_error_in, within};
 use lock_core::{ErrorChain, LockConfig, LockError, Locker, LossCause};
-use lock_redis::testing::{server_url, Namespace, RedisServer};
+use lock_redis::testing::Namespace;
 use lock_redis::RedisBackend;
 use redis::AsyncCommands;
+use withlock_test_servers::redis::{server_url, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(10);
 

@@ -16,10 +16,12 @@ use certs::{another_ca, trusting, TestPki};
 use common::{node, within};
 use lock_core::{BackendErrorKind, LockConfig, LockError};
 use lock_redis::redis::TlsCertificates;
-use lock_redis::testing::{RedisCluster, RedisServer, SentinelAuth, SentinelGroup, MASTER_NAME};
 use lock_redis::{
     RedisBackend, RedisClusterBackend, RedisConfig, RedisSentinelBackend, SentinelConfig,
     SetupError,
+};
+use withlock_test_servers::redis::{
+    RedisCluster, RedisServer, SentinelAuth, SentinelGroup, MASTER_NAME,
 };
 
 const LIMIT: Duration = Duration::from_secs(40);

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use common::{key_type, node, raw, subscriber, take_as_a_hash, within};
 use lock_core::{LockConfig, LockError};
-use lock_redis::testing::{server_url, Namespace};
+use lock_redis::testing::Namespace;
 use lock_redis::{AdminError, LockAdmin, RedisBackend};
 use redis::AsyncCommands;
+use withlock_test_servers::redis::server_url;
 
 const LIMIT: Duration = Duration::from_secs(10);
 

@@ -283,7 +283,8 @@ async fn release_force_refuses_a_row_of_another_format() {
 /// master, `release --force` frees one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_commands_work_on_a_cluster_url() {
-    use lock_redis::testing::{shared_cluster, ScratchClusterBackend};
+    use lock_redis::testing::ScratchClusterBackend;
+    use withlock_test_servers::redis::shared_cluster;
     let cluster = tokio::task::block_in_place(shared_cluster);
     let backend = std::sync::Arc::new(ScratchClusterBackend::new(
         &cluster.urls(),
@@ -347,8 +348,8 @@ async fn admin_commands_work_on_a_cluster_url() {
 /// test's own: 3 masters, no replicas, so nothing fails over meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn d1_list_on_a_cluster_names_a_master_that_does_not_answer() {
-    use lock_redis::testing::RedisCluster;
     use std::time::{Duration, Instant};
+    use withlock_test_servers::redis::RedisCluster;
 
     let cluster = tokio::task::block_in_place(|| RedisCluster::start_with(3, 0)).unwrap();
     let backend = lock_redis::RedisClusterBackend::connect(cluster.urls())

@@ -3,8 +3,8 @@
 //! as on Redis and PostgreSQL \[D1\], etcd's refusals and outages told
 //! apart by exit code \[A8\], and `etcdctl lock` holding the same names.
 //!
-//! Against etcd servers the tests start themselves (lock-etcd's
-//! `testing`): one shared server, whose keys each test keeps under a
+//! Against etcd servers the tests start themselves (withlock-test-servers'
+//! `etcd`): one shared server, whose keys each test keeps under a
 //! prefix of its own, and a server of its own for the test that turns
 //! authentication on.
 
@@ -17,11 +17,31 @@ use common::{
     alive, appears, code, finish, run_expecting, stderr, stdout, wait_expecting, withlock, Scratch,
 };
 use lock_core::{LockAdmin, LockHandle, Locker, LockerOptions};
-use lock_etcd::testing::{shared_server, EtcdCluster};
-use lock_etcd::EtcdBackend;
+use lock_etcd::{EtcdBackend, EtcdConfig};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
+use withlock_test_servers::etcd::{shared_server, EtcdCluster};
+
+/// A backend on a test cluster's members.
+trait Backend {
+    /// A backend on every member (member 0 first), with short timeouts
+    /// so that it fails over soon: a step timeout of 1 s and a failover
+    /// timeout of 300 ms.
+    async fn backend(&self) -> EtcdBackend;
+}
+
+impl Backend for EtcdCluster {
+    async fn backend(&self) -> EtcdBackend {
+        let config = EtcdConfig::new(self.endpoints())
+            .step_timeout(Duration::from_secs(1))
+            .failover_timeout(Duration::from_millis(300))
+            .connect_timeout(Duration::from_secs(5));
+        EtcdBackend::connect(config)
+            .await
+            .unwrap_or_else(|e| panic!("no backend on the test etcd: {e:?}"))
+    }
+}
 
 /// The shared etcd, and a key prefix of this test's own on it.
 struct Etcd {

@@ -6,7 +6,8 @@
 mod common;
 
 use common::{code, finish, stderr, stdout, withlock, Role, Scratch, Store};
-use lock_postgres::testing::{database_url, TestSchema};
+use lock_postgres::testing::TestSchema;
+use withlock_test_servers::postgres::database_url;
 
 async fn table_exists(schema: &str) -> bool {
     let pool = lock_postgres::sqlx::postgres::PgPoolOptions::new()

@@ -71,7 +71,7 @@ async fn a8_redis_missing_privilege_is_77() {
 
 #[tokio::test]
 async fn a8_redis_database_index_out_of_range_is_78() {
-    let url = lock_redis::testing::server_url().await;
+    let url = withlock_test_servers::redis::server_url().await;
     let host = common::authority(&url);
     let message = refused(
         &["--url", &format!("redis://{host}/9999"), "--key", "k"],
@@ -157,7 +157,7 @@ async fn a8_postgres_narrow_sequence_column_is_78() {
 /// with both right the command runs; an unknown query name is 64.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a8_sentinel_refused_credentials_are_77_and_the_right_ones_run() {
-    use lock_redis::testing::{SentinelAuth, SentinelGroup, MASTER_NAME};
+    use withlock_test_servers::redis::{SentinelAuth, SentinelGroup, MASTER_NAME};
     let data = format!("{:032x}", rand::random::<u128>());
     let sentinel = format!("{:032x}", rand::random::<u128>());
     let auth = SentinelAuth {
@@ -210,7 +210,7 @@ async fn a8_sentinel_refused_credentials_are_77_and_the_right_ones_run() {
 /// exits 77 at once; the right one runs the command.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a8_cluster_wrong_password_is_77() {
-    let cluster = tokio::task::block_in_place(lock_redis::testing::shared_cluster);
+    let cluster = tokio::task::block_in_place(withlock_test_servers::redis::shared_cluster);
     let name = format!("withlock-test-{:016x}", rand::random::<u64>());
     let password = format!("{:032x}", rand::random::<u128>());
     let acl = |args: &[&str]| {

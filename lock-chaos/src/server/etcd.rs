@@ -1,13 +1,13 @@
 //! The etcd lock server of a run: a 3-member cluster of
-//! [`lock_etcd::testing::EtcdCluster`] (heartbeat 10 ms, election timeout
+//! [`withlock_test_servers::etcd::EtcdCluster`] (heartbeat 10 ms, election timeout
 //! 100 ms), its member faults, and the config every client of a run uses.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_etcd::testing::EtcdCluster;
 use lock_etcd::{EtcdBackend, EtcdConfig};
+use withlock_test_servers::etcd::EtcdCluster;
 
 use super::{blocking, Injected, ServerError};
 use crate::event::FaultKind;

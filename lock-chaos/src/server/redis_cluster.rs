@@ -1,5 +1,5 @@
 //! The Redis Cluster lock server of a run: 3 masters with a replica each
-//! ([`lock_redis::testing::RedisCluster`]: `cluster-node-timeout` 2 s, no
+//! ([`withlock_test_servers::redis::RedisCluster`]: `cluster-node-timeout` 2 s, no
 //! persistence), its faults (a master stopped or killed until its replica
 //! is promoted, a master stopped for less than the node timeout, every
 //! node's client connections cut), and the keys of a run, spread evenly
@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lock_redis::slot::{key_slot, SLOTS};
-use lock_redis::testing::RedisCluster;
 use lock_redis::RedisClusterBackend;
+use withlock_test_servers::redis::RedisCluster;
 
 use super::{blocking, Injected, ServerError};
 use crate::event::FaultKind;

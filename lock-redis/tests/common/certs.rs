@@ -5,11 +5,11 @@
 use std::path::PathBuf;
 
 use lock_redis::redis::TlsCertificates;
-use lock_redis::testing::TlsFiles;
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
 };
+use withlock_test_servers::redis::TlsFiles;
 
 /// A private CA and the certificate it signed for the test servers.
 pub struct TestPki {

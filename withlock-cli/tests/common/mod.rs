@@ -70,7 +70,7 @@ pub struct Stored {
 
 impl Store {
     pub async fn redis() -> Self {
-        let url = lock_redis::testing::server_url().await;
+        let url = withlock_test_servers::redis::server_url().await;
         Self::Redis {
             namespace: Namespace::new(&url),
             backend: RedisBackend::from_url(&url).unwrap(),
@@ -79,7 +79,7 @@ impl Store {
     }
 
     pub async fn postgres() -> Self {
-        let url = lock_postgres::testing::database_url();
+        let url = withlock_test_servers::postgres::database_url();
         Self::Postgres {
             backend: TestBackend::new(&url).await.unwrap(),
             url,
@@ -471,7 +471,7 @@ pub async fn number(path: &Path) -> i32 {
 pub async fn sql(statements: &str) {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
-        .connect(&lock_postgres::testing::database_url())
+        .connect(&withlock_test_servers::postgres::database_url())
         .await
         .unwrap();
     sqlx::raw_sql(statements).execute(&pool).await.unwrap();
@@ -493,7 +493,7 @@ impl Role {
 
     /// The test server's URL with this role as the user.
     pub fn url(&self) -> String {
-        let url = lock_postgres::testing::database_url();
+        let url = withlock_test_servers::postgres::database_url();
         let (scheme, rest) = url.split_once("://").unwrap();
         let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
         format!("{scheme}://{}@{host}", self.name)
@@ -527,7 +527,7 @@ pub struct AclUser {
 impl AclUser {
     /// `ACL SETUSER` with `rules` after `on >password`.
     pub async fn create(rules: &str) -> Self {
-        let url = lock_redis::testing::server_url().await;
+        let url = withlock_test_servers::redis::server_url().await;
         let client = redis::Client::open(url.as_str()).unwrap();
         let name = format!("withlock-test-{:016x}", rand::random::<u64>());
         let password = format!("{:032x}", rand::random::<u128>());

@@ -1,5 +1,5 @@
-//! Test support: etcd members on free loopback ports, to test against and
-//! to kill, restart and stop. Used by this crate's tests; usable by yours.
+//! etcd members on free loopback ports, to test against and to kill,
+//! restart and stop.
 //!
 //! - [`EtcdCluster::start`] starts `n` members (1 for a single server, 3
 //!   for the fault tests) of Debian's `etcd` 3.4 found on `PATH`, with
@@ -13,15 +13,17 @@
 //! without etcd fails, it never skips. Members are killed on drop, and a
 //! watchdog kills a member whose test process died without dropping it.
 //! Nothing here touches a process or a directory it did not make.
+//!
+//! A test makes its backend from [`EtcdCluster::endpoints`] (or
+//! [`url`](EtcdCluster::url)); lock-etcd's own tests add a config with
+//! short timeouts in `tests/common`.
 
 use std::io;
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, PoisonError};
+use std::process::Command;
 use std::time::Duration;
 
-use crate::{EtcdBackend, EtcdConfig};
+use crate::process::{free_port, scratch_dir, shm_base, Slot, Watched};
 
 /// The root user [`EtcdCluster::enable_auth`] makes, as etcdctl's
 /// `--user` takes it.
@@ -45,28 +47,18 @@ pub fn binary(program: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("`{program}` is not on PATH. {INSTALL}"))
 }
 
-/// A free port on 127.0.0.1, as the system hands it out.
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// One member of an [`EtcdCluster`].
 #[derive(Debug)]
 struct Member {
     name: String,
     client_port: u16,
     args: Vec<String>,
-    running: Mutex<Option<Running>>,
-}
-
-#[derive(Debug)]
-struct Running {
-    server: Child,
-    watchdog: Option<Child>,
+    process: Slot,
 }
 
 /// etcd members of this process on free loopback ports, their data in a
-/// directory of their own on `/dev/shm` (removed on drop). Killed on drop.
+/// scratch directory of their own on `/dev/shm` (removed on drop). Killed
+/// on drop.
 #[derive(Debug)]
 pub struct EtcdCluster {
     dir: PathBuf,
@@ -85,17 +77,11 @@ impl EtcdCluster {
     /// When `etcd` is not on `PATH`.
     pub async fn start(n: usize) -> io::Result<Self> {
         let etcd = binary("etcd");
-        let base = if std::path::Path::new("/dev/shm").is_dir() {
-            PathBuf::from("/dev/shm")
-        } else {
-            std::env::temp_dir()
-        };
-        let dir = base.join(format!("withlock-etcd-{:016x}", rand::random::<u64>()));
-        std::fs::create_dir_all(&dir)?;
         let mut ports = Vec::new();
         for _ in 0..n {
             ports.push((free_port()?, free_port()?));
         }
+        let dir = scratch_dir(&shm_base(), "etcd")?;
         let initial = ports
             .iter()
             .enumerate()
@@ -127,10 +113,10 @@ impl EtcdCluster {
                     "--log-level=error".to_owned(),
                 ];
                 Member {
+                    process: Slot::new(format!("member {i}")),
                     name,
                     client_port: *client,
                     args,
-                    running: Mutex::new(None),
                 }
             })
             .collect();
@@ -142,42 +128,21 @@ impl EtcdCluster {
         Ok(cluster)
     }
 
-    fn running(&self, i: usize) -> std::sync::MutexGuard<'_, Option<Running>> {
-        self.members[i]
-            .running
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn spawn(&self, i: usize) -> io::Result<()> {
         let member = &self.members[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.join(format!("{}.log", member.name)))?;
-        let server = Command::new(&member.args[0])
-            .args(&member.args[1..])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()?;
-        // Kills the member if this process dies without dropping it, and
-        // then removes the data directory.
-        let watchdog = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "while kill -0 {parent} 2>/dev/null && kill -0 {child} 2>/dev/null; do sleep 1; done; \
-                 kill -9 {child} 2>/dev/null; kill -0 {parent} 2>/dev/null || rm -rf '{dir}'",
-                parent = std::process::id(),
-                child = server.id(),
-                dir = self.dir.display(),
-            ))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok();
-        *self.running(i) = Some(Running { server, watchdog });
+        // The watchdog removes the data directory too if this process dies.
+        let watched = Watched::spawn(
+            Command::new(&member.args[0])
+                .args(&member.args[1..])
+                .stdout(log.try_clone()?)
+                .stderr(log),
+            &self.dir,
+        )?;
+        member.process.set(watched);
         Ok(())
     }
 
@@ -211,65 +176,15 @@ impl EtcdCluster {
         format!("etcd://{}", hosts.join(","))
     }
 
-    /// A config on every member (member 0 first, so the one in use),
-    /// with short timeouts so that a backend on a stopped member fails
-    /// over soon: a step timeout of 1 s and a failover timeout of 300 ms.
-    pub fn config(&self) -> EtcdConfig {
-        self.config_from(0)
-    }
-
-    /// [`config`](Self::config) with the members in the order `first`,
-    /// `first + 1`, …: member `first` is the one the backend uses until
-    /// it fails.
-    pub fn config_from(&self, first: usize) -> EtcdConfig {
-        let n = self.members.len();
-        EtcdConfig::new((0..n).map(|i| self.endpoint((first + i) % n)))
-            .step_timeout(Duration::from_secs(1))
-            .failover_timeout(Duration::from_millis(300))
-            .connect_timeout(Duration::from_secs(5))
-    }
-
-    /// [`config`](Self::config) as the user `name` of
-    /// [`add_user`](Self::add_user) (password `<name>-pw`; `root` for
-    /// [`enable_auth`](Self::enable_auth)'s root). Logging in costs a
-    /// bcrypt hash on the server, slow on a loaded machine, so the
-    /// failover timeout (which bounds a login) and the step timeout are
-    /// 2 s, and the connect timeout 20 s.
-    pub fn user_config(&self, name: &str) -> EtcdConfig {
-        self.config()
-            .user(name, format!("{name}-pw"))
-            .step_timeout(Duration::from_secs(2))
-            .failover_timeout(Duration::from_secs(2))
-            .connect_timeout(Duration::from_secs(20))
-    }
-
-    /// A backend on every member with [`config`](Self::config).
-    ///
-    /// # Panics
-    ///
-    /// When it cannot connect.
-    pub async fn backend(&self) -> EtcdBackend {
-        EtcdBackend::connect(self.config())
-            .await
-            .unwrap_or_else(|e| panic!("no backend on the test etcd: {e:?}"))
-    }
-
     /// The process id of member `i`, while it runs.
     pub fn pid(&self, i: usize) -> Option<u32> {
-        self.running(i).as_ref().map(|r| r.server.id())
+        self.members[i].process.pid()
     }
 
     /// Kills member `i` (SIGKILL); its data stays for a
     /// [`restart`](Self::restart).
     pub fn kill(&self, i: usize) {
-        if let Some(mut running) = self.running(i).take() {
-            let _ = running.server.kill();
-            let _ = running.server.wait();
-            if let Some(mut watchdog) = running.watchdog {
-                let _ = watchdog.kill();
-                let _ = watchdog.wait();
-            }
-        }
+        self.members[i].process.kill();
     }
 
     /// Starts member `i` again on its data, after a [`kill`](Self::kill).
@@ -289,7 +204,7 @@ impl EtcdCluster {
     ///
     /// When it is not running or the signal fails.
     pub fn pause(&self, i: usize) -> io::Result<()> {
-        self.signal(i, "-STOP")
+        self.members[i].process.pause(&[])
     }
 
     /// Lets a [`pause`](Self::pause)d member `i` run again (SIGCONT).
@@ -298,22 +213,7 @@ impl EtcdCluster {
     ///
     /// When it is not running or the signal fails.
     pub fn resume(&self, i: usize) -> io::Result<()> {
-        self.signal(i, "-CONT")
-    }
-
-    fn signal(&self, i: usize, signal: &str) -> io::Result<()> {
-        let pid = self
-            .pid(i)
-            .ok_or_else(|| io::Error::other(format!("member {i} is not running")))?;
-        let status = Command::new("kill")
-            .arg(signal)
-            .arg(pid.to_string())
-            .status()?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(io::Error::other(format!("kill {signal} {pid} failed")))
-        }
+        self.members[i].process.resume()
     }
 
     /// The index of the leader as the running members see it, once every

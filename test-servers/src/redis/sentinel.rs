@@ -2,11 +2,10 @@
 //! 1000), all `redis-server` children on free loopback ports, killed on drop.
 
 use std::io;
-use std::net::TcpListener;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{RedisServer, TlsFiles};
+use crate::process::{free_port, scratch_dir, temp_base};
 
 /// The master name the Sentinels of a [`SentinelGroup`] monitor.
 pub const MASTER_NAME: &str = "withlock-test";
@@ -230,12 +229,8 @@ fn sentinel(
     tls: Option<&TlsFiles>,
 ) -> io::Result<RedisServer> {
     use std::fmt::Write as _;
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let dir = std::env::temp_dir().join(format!(
-        "withlock-sentinel-{port}-{:08x}",
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir)?;
+    let port = free_port()?;
+    let dir = scratch_dir(&temp_base(), "sentinel")?;
     let conf = dir.join("sentinel.conf");
     let mut text = format!("bind 127.0.0.1\ndir {}\n", dir.display());
     match tls {
@@ -267,15 +262,10 @@ fn sentinel(
     if let Some(password) = &auth.data_node_password {
         let _ = writeln!(text, "sentinel auth-pass {MASTER_NAME} {password}");
     }
-    std::fs::write(&conf, text)?;
-    let server = RedisServer {
-        port,
-        dir,
-        args: vec![conf.to_string_lossy().into_owned(), "--sentinel".to_owned()],
-        password: auth.sentinel_password.clone(),
-        tls_ca: tls.map(|t| std::fs::read(&t.ca)).transpose()?,
-        running: Mutex::new(None),
-    };
-    server.spawn()?;
-    Ok(server)
+    if let Err(e) = std::fs::write(&conf, text) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e);
+    }
+    let args = vec![conf.to_string_lossy().into_owned(), "--sentinel".to_owned()];
+    RedisServer::start_in(port, dir, args, auth.sentinel_password.clone(), tls)
 }
