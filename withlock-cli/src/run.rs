@@ -504,23 +504,16 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
 }
 
 /// How long opening the store may wait for it (etcd's leader): as long
-/// as the lock may be waited for, `--no-wait` not at all (the store's own
-/// connect timeout still applies), `--wait-forever` without end.
+/// as the lock may be waited for, which the lock config already says:
+/// `--wait`, none for `--no-wait` (the store's own connect timeout still
+/// applies), without end for `--wait-forever`, the library's retries
+/// (about 2 s) by default.
 fn store_wait(args: &RunArgs, config: &LockConfig) -> Duration {
-    if args.no_wait {
-        Duration::ZERO
-    } else if args.wait_forever {
+    args.wait.unwrap_or(match config.retry_attempts {
+        lock_core::RetryAttempts::Limited(n) => config.retry_delay.saturating_mul(n),
         // Far enough to be forever, near enough to add to an Instant.
-        Duration::from_secs(u64::from(u32::MAX))
-    } else if let Some(wait) = args.wait {
-        wait
-    } else {
-        // The library's retries: about 2 s.
-        match config.retry_attempts {
-            lock_core::RetryAttempts::Limited(n) => config.retry_delay.saturating_mul(n),
-            lock_core::RetryAttempts::Unlimited => Duration::from_secs(u64::from(u32::MAX)),
-        }
-    }
+        lock_core::RetryAttempts::Unlimited => Duration::from_secs(u64::from(u32::MAX)),
+    })
 }
 
 /// This host's name, for the node id and the record.
