@@ -10,7 +10,9 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use crate::process::{children_of, free_port, scratch_dir, temp_base, Slot, Watched};
+use crate::process::{
+    children_of, free_port, removing_on_error, scratch_dir, temp_base, Slot, Watched,
+};
 
 /// The server the tests use unless `DATABASE_URL` says otherwise.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -49,13 +51,7 @@ impl TestServer {
         let bin = pg_bin()?;
         let as_postgres = is_root();
         let dir = scratch_dir(&temp_base(), "pg")?;
-        let port = match free_port() {
-            Ok(port) => port,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                return Err(e);
-            }
-        };
+        let port = removing_on_error(&dir, free_port())?;
         let server = Self {
             bin,
             dir,

@@ -54,6 +54,16 @@ pub(crate) fn scratch_dir(base: &Path, kind: &str) -> io::Result<PathBuf> {
     Ok(dir)
 }
 
+/// `result`, with the scratch directory `dir` removed when it is an
+/// error: for the steps of a start between making the directory and the
+/// server that owns (and removes) it.
+pub(crate) fn removing_on_error<T>(dir: &Path, result: io::Result<T>) -> io::Result<T> {
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    result
+}
+
 /// The process id in a scratch directory's name, `withlock-<kind>.<pid>.<16 hex>`.
 fn owner_of(name: &str) -> Option<u32> {
     let mut parts = name.strip_prefix(DIR_PREFIX)?.split('.');

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::process::{free_port, scratch_dir, temp_base, Slot, Watched};
+use crate::process::{free_port, removing_on_error, scratch_dir, temp_base, Slot, Watched};
 
 mod cluster;
 mod sentinel;
@@ -211,13 +211,7 @@ impl RedisServer {
         password: Option<String>,
         tls: Option<&TlsFiles>,
     ) -> io::Result<Self> {
-        let tls_ca = match tls.map(|t| std::fs::read(&t.ca)).transpose() {
-            Ok(ca) => ca,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
-                return Err(e);
-            }
-        };
+        let tls_ca = removing_on_error(&dir, tls.map(|t| std::fs::read(&t.ca)).transpose())?;
         let server = Self {
             port,
             dir,

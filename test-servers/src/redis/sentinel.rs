@@ -5,7 +5,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use super::{RedisServer, TlsFiles};
-use crate::process::{free_port, scratch_dir, temp_base};
+use crate::process::{free_port, removing_on_error, scratch_dir, temp_base};
 
 /// The master name the Sentinels of a [`SentinelGroup`] monitor.
 pub const MASTER_NAME: &str = "withlock-test";
@@ -262,10 +262,7 @@ fn sentinel(
     if let Some(password) = &auth.data_node_password {
         let _ = writeln!(text, "sentinel auth-pass {MASTER_NAME} {password}");
     }
-    if let Err(e) = std::fs::write(&conf, text) {
-        let _ = std::fs::remove_dir_all(&dir);
-        return Err(e);
-    }
+    removing_on_error(&dir, std::fs::write(&conf, text))?;
     let args = vec![conf.to_string_lossy().into_owned(), "--sentinel".to_owned()];
     RedisServer::start_in(port, dir, args, auth.sentinel_password.clone(), tls)
 }
