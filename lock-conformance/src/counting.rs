@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, Capabilities, ExtendOutcome, ExtendRequest, Hold,
-    Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch,
+    Lease, LockBackend, OwnerToken, QueueTerms, ReleaseOutcome, ReleaseWatch,
 };
 
 use crate::faults::Step;
@@ -156,6 +156,25 @@ impl<B: LockBackend> LockBackend for CountingBackend<B> {
             .push((Instant::now(), key.to_owned(), owner.clone()));
         let answer = self.inner.try_acquire(key, owner, ttl).await;
         self.answered(Step::TryAcquire, answer)
+    }
+
+    /// Counted as an acquisition attempt, as `try_acquire` is.
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        self.count(Step::TryAcquire);
+        self.attempts()
+            .push((Instant::now(), key.to_owned(), owner.clone()));
+        let answer = self.inner.try_acquire_queued(key, owner, ttl, terms).await;
+        self.answered(Step::TryAcquire, answer)
+    }
+
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        self.inner.leave_queue(key, owner).await
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, QueueTerms, ReleaseHub, ReleaseOutcome,
+    ReleaseWatch,
 };
 
 /// A step of the backend trait.
@@ -311,6 +312,26 @@ impl<B: LockBackend> LockBackend for FaultInjector<B> {
             tokio::time::sleep(late).await;
         }
         self.lose_answer(Step::TryAcquire, answer)
+    }
+
+    /// A queued attempt is an acquisition attempt: the same faults.
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        self.enter(Step::TryAcquire).await?;
+        let answer = self.inner.try_acquire_queued(key, owner, ttl, terms).await;
+        if let Some(late) = self.take_late_answer(Step::TryAcquire) {
+            tokio::time::sleep(late).await;
+        }
+        self.lose_answer(Step::TryAcquire, answer)
+    }
+
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        self.inner.leave_queue(key, owner).await
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {

@@ -296,7 +296,7 @@ lock_core::forward_lock_backend!(Watched => backend {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         let answer = self.backend.try_acquire(key, owner, ttl).await;
-        if matches!(answer, Ok(AcquireOutcome::Busy)) {
+        if matches!(answer, Ok(AcquireOutcome::Busy { .. })) {
             self.seen.busy.fetch_add(1, Ordering::SeqCst);
             self.seen.changed.notify_waiters();
         }

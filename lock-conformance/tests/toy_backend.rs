@@ -65,7 +65,7 @@ impl LockBackend for ToyBackend {
             .as_ref()
             .is_some_and(|(_, until)| *until > Instant::now())
         {
-            return Ok(AcquireOutcome::Busy);
+            return Ok(AcquireOutcome::BUSY);
         }
         slot.fence += 1;
         slot.holder = Some((owner.clone(), Instant::now() + ttl));

@@ -223,7 +223,95 @@ pub enum AcquireOutcome {
         fencing_token: u64,
     },
     /// Another owner holds the key. Not an error.
-    Busy,
+    Busy {
+        /// How long the holder's lock has left, where the store knows it
+        /// cheaply \[A9\] (Redis `PTTL`, PostgreSQL `locked_until - now()`,
+        /// the memory deadline); `None` when it does not. A waiter never
+        /// sleeps past it plus [`EXPIRY_MARGIN`]. A queued attempt
+        /// ([`LockBackend::try_acquire_queued`]) gives it only to the
+        /// queue's head: the others wait for their grant.
+        expires_in: Option<Duration>,
+    },
+}
+
+impl AcquireOutcome {
+    /// Busy, with no word on when the holder's lock expires.
+    pub const BUSY: Self = Self::Busy { expires_in: None };
+
+    /// Whether another owner holds the key.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Busy { .. })
+    }
+}
+
+/// How long after the holder's lock was due to expire a waiter tries
+/// again \[A9\]: the store deletes an expired key within about a
+/// millisecond of its expiry (Redis's active expiry, PostgreSQL's
+/// comparison with `clock_timestamp()`), and the two clocks' rates differ
+/// by far less over a ttl. No jitter applies to it.
+pub const EXPIRY_MARGIN: Duration = Duration::from_millis(5);
+
+/// The terms of a place in a backend's fair queue \[F1–F3\], as
+/// [`LockConfig::fair_queue`](crate::LockConfig::fair_queue) gives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(default, deny_unknown_fields)
+)]
+pub struct QueueTerms {
+    /// How long a place lives after the waiter's last attempt: the driver
+    /// attempts (and so renews the place) every third of it while it
+    /// waits, so a waiter that crashed or stalled is skipped within this
+    /// much, and one that returns after it joins at the tail \[F2\].
+    ///
+    /// Default: 3 s. Range: [`QueueTerms::MIN_TICKET_TTL`] to
+    /// [`QueueTerms::MAX_TICKET_TTL`].
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
+    pub ticket_ttl: Duration,
+    /// How long a grant waits to be taken up: a release gives the lock to
+    /// the queue's head for this long, and the grantee's first extension
+    /// (sent as soon as it starts) makes it its own ttl. A grantee that
+    /// died before that delays the next waiter by at most this \[F3\].
+    ///
+    /// Default: 2 s. Range: [`QueueTerms::MIN_CLAIM`] to
+    /// [`QueueTerms::MAX_CLAIM`].
+    #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
+    pub claim: Duration,
+}
+
+impl QueueTerms {
+    /// The shortest ticket ttl accepted: three heartbeats in it must reach
+    /// the store.
+    pub const MIN_TICKET_TTL: Duration = Duration::from_millis(300);
+    /// The longest ticket ttl accepted.
+    pub const MAX_TICKET_TTL: Duration = Duration::from_secs(60);
+    /// The shortest claim deadline accepted.
+    pub const MIN_CLAIM: Duration = Duration::from_millis(100);
+    /// The longest claim deadline accepted.
+    pub const MAX_CLAIM: Duration = Duration::from_secs(60);
+    /// The default terms: a ticket ttl of 3 s, a claim deadline of 2 s.
+    pub const DEFAULT: Self = Self {
+        ticket_ttl: Duration::from_secs(3),
+        claim: Duration::from_secs(2),
+    };
+
+    /// Terms with this ticket ttl and claim deadline.
+    pub fn new(ticket_ttl: Duration, claim: Duration) -> Self {
+        Self { ticket_ttl, claim }
+    }
+
+    /// How often a queued waiter renews its place: a third of the ticket ttl.
+    pub fn heartbeat(&self) -> Duration {
+        self.ticket_ttl / 3
+    }
+}
+
+impl Default for QueueTerms {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// What one extension found.
@@ -338,6 +426,16 @@ pub struct Capabilities {
     ///
     /// Default: zero (no rounding).
     pub ttl_granularity: Duration,
+    /// The store keeps a fair queue of waiters \[F1\]:
+    /// [`LockBackend::try_acquire_queued`] and
+    /// [`LockBackend::leave_queue`] are real, and a release grants the key
+    /// to the queue's head, announced with
+    /// [`ReleaseHub::grant`](crate::ReleaseHub::grant). Needs
+    /// [`release_notifications`](Self::release_notifications): the driver
+    /// queues only when both are true.
+    ///
+    /// Default: `false`.
+    pub fair_queue: bool,
 }
 
 impl Default for Capabilities {
@@ -349,6 +447,7 @@ impl Default for Capabilities {
             max_extend_batch: 1,
             min_ttl: Duration::ZERO,
             ttl_granularity: Duration::ZERO,
+            fair_queue: false,
         }
     }
 }
@@ -394,6 +493,19 @@ impl Capabilities {
     pub fn with_ttl_granularity(mut self, unit: Duration) -> Self {
         self.ttl_granularity = unit;
         self
+    }
+
+    /// Sets [`Capabilities::fair_queue`]. Defaults to `false`.
+    #[must_use]
+    pub fn with_fair_queue(mut self, yes: bool) -> Self {
+        self.fair_queue = yes;
+        self
+    }
+
+    /// Whether the driver queues waiters on this backend: it has the queue
+    /// and the notifications that carry its grants.
+    pub(crate) fn queues(&self) -> bool {
+        self.fair_queue && self.release_notifications
     }
 
     /// The ttl the driver asks this store for when a config says `ttl`: at
@@ -578,6 +690,64 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
     /// [`Capabilities::release_notifications`] is true; other backends return
     /// [`ReleaseWatch::never`].
     async fn watch_release(&self, key: &str) -> Result<ReleaseWatch, BackendError>;
+
+    /// One attempt of a waiter in the key's fair queue \[F1–F3\], for a
+    /// backend with [`Capabilities::fair_queue`]; the same `owner` for the
+    /// whole wait. In one atomic step it:
+    ///
+    /// - takes up a grant: the key holds `owner` (a release gave it to
+    ///   this waiter): the expiry becomes `ttl` from now, and the answer is
+    ///   the grant's fencing token;
+    /// - takes the key when it is free and nobody live is queued ahead of
+    ///   `owner`, as [`try_acquire`](Self::try_acquire) would, and drops
+    ///   the place;
+    /// - else keeps (or makes, at the tail) the place of `owner`, alive
+    ///   until [`QueueTerms::ticket_ttl`] from now, and answers
+    ///   [`AcquireOutcome::Busy`], with the holder's time left only when
+    ///   `owner` is the head.
+    ///
+    /// Places whose time ran out are skipped and removed. A release of a
+    /// backend with the queue grants the key to the head, alive, for
+    /// [`QueueTerms::claim`] (the head's own terms, kept with its place),
+    /// with a new fencing token, and announces the grant to the head
+    /// alone ([`ReleaseHub::grant`](crate::ReleaseHub::grant)).
+    ///
+    /// The default, for a backend without the queue, fails with a
+    /// [`BackendErrorKind::Setup`](crate::BackendErrorKind::Setup) error:
+    /// the driver then waits unqueued \[F6\], as it does when a store
+    /// refuses the queue for a missing table or right.
+    ///
+    /// # Cancel safety
+    ///
+    /// As `try_acquire`'s: a dropped attempt may have made a place (the
+    /// driver leaves it) or taken the key (the driver releases it).
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let _ = (key, owner, ttl, terms);
+        Err(BackendError::message(
+            crate::error::BackendErrorKind::Setup,
+            "this backend keeps no fair queue",
+        ))
+    }
+
+    /// Removes the place of `owner` from the key's fair queue, if it has
+    /// one; a grant made to `owner` and not taken up is handed on as a
+    /// release would (to the next place, or freeing the key). Idempotent.
+    /// The default does nothing.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may or may not have been applied; the driver sends
+    /// it again, and a place it misses lapses after its ticket ttl.
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        let _ = (key, owner);
+        Ok(())
+    }
 }
 
 /// Implements [`LockBackend`] for a type by forwarding every step to a
@@ -663,7 +833,10 @@ pub trait LockBackend: fmt::Debug + Send + Sync + 'static {
 /// over the wrapper's step. Today these are the fast paths:
 /// `try_acquire_now` is not forwarded when `try_acquire` is written out,
 /// nor `release_now` when `release` is (write a fast path out yourself to
-/// keep one). Every step added to the trait later follows the same rule.
+/// keep one). Every step added to the trait later follows the same rule:
+/// `try_acquire_queued` is not forwarded when `try_acquire` is written out
+/// (its default makes the driver wait unqueued; write it out too to keep
+/// the queue).
 #[macro_export]
 macro_rules! forward_lock_backend {
     // `impl<…>`: the generics are gathered up to their closing `>`, counting
@@ -728,7 +901,7 @@ macro_rules! forward_lock_backend {
             @forward $ctx $items $names
             [
                 capabilities try_acquire extend extend_many failure_domain release hold
-                watch_release try_acquire_now release_now
+                watch_release try_acquire_now release_now try_acquire_queued leave_queue
             ]
         );
     };
@@ -773,6 +946,12 @@ macro_rules! forward_lock_backend {
     (@written release_now [release_now $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
         $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
     };
+    (@written try_acquire_queued [try_acquire_queued $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    (@written leave_queue [leave_queue $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
     // A defaulted step whose default is built from a step written out is
     // never forwarded: the trait's default then runs over the wrapper's
     // step, so the wrapper sees every call. The fast paths default to
@@ -781,6 +960,13 @@ macro_rules! forward_lock_backend {
         $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
     };
     (@written release_now [release $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
+        $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
+    };
+    // The queued attempt is an acquisition: a wrapper that writes out
+    // `try_acquire` sees it as the default's setup error (the driver then
+    // waits unqueued) unless it writes it out too; its place is then never
+    // made, so `leave_queue` stays at the default as well.
+    (@written try_acquire_queued [try_acquire $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
         $crate::forward_lock_backend!(@forward $ctx $items $names $steps);
     };
     (@written $step:ident [$other:ident $($more:ident)*] $ctx:tt $items:tt $names:tt $steps:tt) => {
@@ -909,6 +1095,36 @@ macro_rules! forward_lock_backend {
             > {
                 let $this = self;
                 $crate::LockBackend::try_acquire_now($inner, key, owner, ttl, now)
+            }
+        ] $names $steps);
+    };
+    (@forwarded try_acquire_queued
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
+            async fn try_acquire_queued(
+                &self,
+                key: &str,
+                owner: &$crate::OwnerToken,
+                ttl: ::std::time::Duration,
+                terms: $crate::QueueTerms,
+            ) -> ::std::result::Result<$crate::AcquireOutcome, $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::try_acquire_queued($inner, key, owner, ttl, terms).await
+            }
+        ] $names $steps);
+    };
+    (@forwarded leave_queue
+        [$generics:tt $ty:tt $this:ident [$inner:expr]] [$($items:tt)*] $names:tt $steps:tt
+    ) => {
+        $crate::forward_lock_backend!(@forward [$generics $ty $this [$inner]] [$($items)*
+            async fn leave_queue(
+                &self,
+                key: &str,
+                owner: &$crate::OwnerToken,
+            ) -> ::std::result::Result<(), $crate::BackendError> {
+                let $this = self;
+                $crate::LockBackend::leave_queue($inner, key, owner).await
             }
         ] $names $steps);
     };

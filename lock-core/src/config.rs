@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backend::QueueTerms;
 use crate::error::InvalidInput;
 
 /// The shortest ttl accepted: below it an extension every `ttl / 3` has too
@@ -133,6 +134,18 @@ pub struct LockConfig {
     /// [`MAX_TTL`].
     #[cfg_attr(feature = "serde", serde(with = "humantime_serde"))]
     pub hold_at_least: Duration,
+    /// The fair queue across nodes \[F1–F3\]: a call that waits (more
+    /// than one attempt) takes a place in the store's queue once it found
+    /// the key busy, where the backend keeps one
+    /// ([`Capabilities::fair_queue`](crate::Capabilities::fair_queue));
+    /// a release then grants the lock to the node that waited longest and
+    /// wakes only it. A try-once call never queues. `None` waits
+    /// unqueued: every node's waiter tries again when a release is
+    /// announced, and the fastest wins.
+    ///
+    /// Default: `Some(QueueTerms::DEFAULT)` (ticket ttl 3 s, claim
+    /// deadline 2 s).
+    pub fair_queue: Option<QueueTerms>,
 }
 
 impl Default for LockConfig {
@@ -149,6 +162,7 @@ impl LockConfig {
         retry_delay: Duration::from_millis(200),
         retry_jitter: Duration::from_millis(100),
         hold_at_least: Duration::ZERO,
+        fair_queue: Some(QueueTerms::DEFAULT),
     };
 }
 
@@ -196,6 +210,30 @@ impl LockConfig {
         self
     }
 
+    /// Sets [`LockConfig::fair_queue`] to these terms. Defaults to
+    /// [`QueueTerms::DEFAULT`].
+    #[must_use]
+    pub fn fair_queue(mut self, terms: QueueTerms) -> Self {
+        self.fair_queue = Some(terms);
+        self
+    }
+
+    /// Waits unqueued ([`LockConfig::fair_queue`] `None`).
+    #[must_use]
+    pub fn no_queue(mut self) -> Self {
+        self.fair_queue = None;
+        self
+    }
+
+    /// The queue's terms when this call queues: it waits and asks for the
+    /// queue.
+    pub(crate) fn queue_terms(&self) -> Option<QueueTerms> {
+        match self.retry_attempts {
+            RetryAttempts::Limited(0) => None,
+            _ => self.fair_queue,
+        }
+    }
+
     /// One delay between two counted attempts: `retry_delay ± retry_jitter`,
     /// drawn uniformly.
     pub(crate) fn jittered_delay(&self) -> Duration {
@@ -219,6 +257,16 @@ impl LockConfig {
         }
         if self.retry_delay.is_zero() && self.retry_attempts == RetryAttempts::Unlimited {
             return Err(InvalidInput::ZeroDelayUnlimited);
+        }
+        if let Some(terms) = self.fair_queue {
+            let ticket = QueueTerms::MIN_TICKET_TTL..=QueueTerms::MAX_TICKET_TTL;
+            let claim = QueueTerms::MIN_CLAIM..=QueueTerms::MAX_CLAIM;
+            if !ticket.contains(&terms.ticket_ttl) || !claim.contains(&terms.claim) {
+                return Err(InvalidInput::QueueTerms {
+                    ticket_ttl: terms.ticket_ttl,
+                    claim: terms.claim,
+                });
+            }
         }
         if self.hold_at_least > MAX_TTL {
             return Err(InvalidInput::HoldTooLong {

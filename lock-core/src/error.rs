@@ -358,6 +358,21 @@ pub enum InvalidInput {
         /// The maximum.
         max: Duration,
     },
+    /// The fair queue's terms are out of range: a ticket ttl from
+    /// [`QueueTerms::MIN_TICKET_TTL`](crate::QueueTerms::MIN_TICKET_TTL)
+    /// to [`QueueTerms::MAX_TICKET_TTL`](crate::QueueTerms::MAX_TICKET_TTL),
+    /// a claim deadline from [`QueueTerms::MIN_CLAIM`](crate::QueueTerms::MIN_CLAIM)
+    /// to [`QueueTerms::MAX_CLAIM`](crate::QueueTerms::MAX_CLAIM).
+    #[error(
+        "the fair queue's ticket ttl {ticket_ttl:?} or claim deadline {claim:?} is out of range \
+         (ticket ttl 300ms to 60s, claim 100ms to 60s)"
+    )]
+    QueueTerms {
+        /// The ticket ttl given.
+        ticket_ttl: Duration,
+        /// The claim deadline given.
+        claim: Duration,
+    },
     /// A zero retry delay with unlimited attempts would spin on the backend.
     #[error(
         "retry_delay is zero with unlimited retry attempts: the wait would spin on the backend"

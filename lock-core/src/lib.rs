@@ -23,7 +23,7 @@ mod task;
 pub use admin::{AdminError, LockAdmin, LockInfo, LockList, Unreachable};
 pub use backend::{
     batch_results, AcquireOutcome, Capabilities, DynLockBackend, ExtendOutcome, ExtendRequest,
-    Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, MAX_KEY_LEN,
+    Hold, Lease, LockBackend, OwnerToken, QueueTerms, ReleaseOutcome, EXPIRY_MARGIN, MAX_KEY_LEN,
 };
 pub use background::Background;
 pub use config::{LockConfig, LockerOptions, RetryAttempts, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL};
@@ -34,7 +34,7 @@ pub use locker::shutdown::ShutdownReport;
 pub use locker::Locker;
 #[allow(deprecated)]
 pub use mutex::{Mutex, MutexConfig};
-pub use notify::{ReleaseHub, ReleaseWatch};
+pub use notify::{Grant, ReleaseHub, ReleaseWatch};
 #[doc(hidden)]
 pub use reexport::__reexported;
 

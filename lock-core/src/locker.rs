@@ -5,6 +5,7 @@
 mod acquire;
 mod counts;
 pub(crate) mod handle;
+mod queue;
 pub(crate) mod shutdown;
 
 use std::fmt;
@@ -69,6 +70,10 @@ pub(crate) struct Inner {
     gates: Gates,
     registry: Arc<Registry>,
     shutdown: ShutdownSignal,
+    /// The store refused the fair queue (a missing table or right, or a
+    /// backend without it behind a wrapper): this locker waits unqueued
+    /// from then on, and said so once \[F6\].
+    queue_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Locker {
@@ -108,6 +113,7 @@ impl Locker {
                 options,
                 gates: Gates::default(),
                 shutdown: ShutdownSignal::default(),
+                queue_refused: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }

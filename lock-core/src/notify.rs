@@ -4,8 +4,49 @@ use hashbrown::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// A grant of the fair queue \[F1\]: a release gave the key to the
+/// queue's head, `owner`, with a new fencing token, for the claim
+/// deadline. The grantee starts on it without a further round trip; its
+/// first extension takes the grant up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Grant {
+    /// The owner token the key was granted to.
+    pub owner: Arc<str>,
+    /// The grant's fencing token.
+    pub fencing_token: u64,
+    /// How long the grant lasts from the release, unless taken up.
+    pub claim: Duration,
+    /// When this process heard of it.
+    pub received_at: Instant,
+}
+
+impl Grant {
+    /// A grant heard of now.
+    pub fn new(owner: &str, fencing_token: u64, claim: Duration) -> Self {
+        Self {
+            owner: owner.into(),
+            fencing_token,
+            claim,
+            received_at: Instant::now(),
+        }
+    }
+}
+
+/// What a key's watchers are sent: a count of wake-ups, and the grant that
+/// caused the last one, if a grant did. (Nothing but a reconnect can wake
+/// a key between a grant and its grantee's start; the grantee's queued
+/// attempt then takes the grant up.)
+#[derive(Clone, Debug, Default)]
+struct Wake {
+    count: u64,
+    grant: Option<Grant>,
+}
 
 /// Wakes its holder when a key may have become free.
 ///
@@ -23,7 +64,7 @@ enum Watch {
 }
 
 struct HubWatch {
-    rx: Option<watch::Receiver<u64>>,
+    rx: Option<watch::Receiver<Wake>>,
     key: Arc<str>,
     hub: Arc<HubShared>,
 }
@@ -52,6 +93,21 @@ impl ReleaseWatch {
     /// Cancel safe: a notification that arrives while no call is waiting is
     /// kept for the next call.
     pub async fn released(&mut self) {
+        self.wake().await;
+    }
+
+    /// The grant of the fair queue that caused the last wake-up, if a
+    /// grant did: the driver's queued waiter looks for its own owner token
+    /// in it.
+    pub fn grant(&self) -> Option<Grant> {
+        match &self.inner {
+            Watch::Hub(HubWatch { rx: Some(rx), .. }) => rx.borrow().grant.clone(),
+            Watch::Either(a, b) => a.grant().or_else(|| b.grant()),
+            Watch::Hub(_) | Watch::Never => None,
+        }
+    }
+
+    async fn wake(&mut self) {
         match &mut self.inner {
             Watch::Hub(HubWatch { rx: Some(rx), .. }) => {
                 if rx.changed().await.is_err() {
@@ -107,7 +163,7 @@ const MIN_ROOM: usize = 64;
 
 #[derive(Default)]
 struct HubShared {
-    keys: Mutex<HashMap<Arc<str>, watch::Sender<u64>>>,
+    keys: Mutex<HashMap<Arc<str>, watch::Sender<Wake>>>,
     /// How many keys are watched: the map's length, stored under its lock
     /// at every change, so that a release with nobody watching takes no
     /// lock. A watch made before a release is counted before it: the
@@ -118,7 +174,7 @@ struct HubShared {
 }
 
 impl HubShared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, watch::Sender<u64>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, watch::Sender<Wake>>> {
         self.keys.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -145,7 +201,7 @@ impl ReleaseHub {
         let rx = match map.get(key) {
             Some(tx) => tx.subscribe(),
             None => {
-                let (tx, rx) = watch::channel(0);
+                let (tx, rx) = watch::channel(Wake::default());
                 map.insert(key.into(), tx);
                 self.shared.watched.store(map.len(), Ordering::SeqCst);
                 rx
@@ -167,7 +223,25 @@ impl ReleaseHub {
             return;
         }
         if let Some(tx) = self.shared.lock().get(key) {
-            tx.send_modify(|n| *n = n.wrapping_add(1));
+            tx.send_modify(|wake| {
+                wake.count = wake.count.wrapping_add(1);
+                wake.grant = None;
+            });
+        }
+    }
+
+    /// Wakes every watch on `key` with a grant of the fair queue \[F1\]:
+    /// the watch of the grantee's waiter takes the lock from it, the others
+    /// go on waiting without an attempt.
+    pub fn grant(&self, key: &str, grant: Grant) {
+        if self.shared.watched.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        if let Some(tx) = self.shared.lock().get(key) {
+            tx.send_modify(|wake| {
+                wake.count = wake.count.wrapping_add(1);
+                wake.grant = Some(grant);
+            });
         }
     }
 
@@ -175,7 +249,10 @@ impl ReleaseHub {
     /// and may have missed notifications.
     pub fn notify_all(&self) {
         for tx in self.shared.lock().values() {
-            tx.send_modify(|n| *n = n.wrapping_add(1));
+            tx.send_modify(|wake| {
+                wake.count = wake.count.wrapping_add(1);
+                wake.grant = None;
+            });
         }
     }
 

@@ -157,14 +157,16 @@ fn every_metric_is_recorded_with_its_labels() {
         assert!(holder.release().await.unwrap());
 
         // A waiter woken by the release answers 50 ms later (every attempt
-        // takes that long); its retry timer alone would wait 10 s.
+        // takes that long); its retry timer alone would wait 10 s. Unqueued:
+        // a queued waiter starts on its grant without an attempt.
         let (faults, locker) = node(LockerOptions::default());
         let mut holder = locker.handle("awaited", Duration::from_secs(60)).unwrap();
         assert!(holder.acquire().await.unwrap());
         faults.delay(Step::TryAcquire, Duration::from_millis(50));
         let patient = LockConfig::default()
             .wait_forever()
-            .retry_delay(Duration::from_secs(10));
+            .retry_delay(Duration::from_secs(10))
+            .no_queue();
         let waiter = tokio::spawn(async move {
             let other = Locker::with_options(faults, LockerOptions::default().caller_runtime(true))
                 .unwrap();

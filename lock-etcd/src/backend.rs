@@ -733,7 +733,7 @@ impl LockBackend for EtcdBackend {
                 // Busy: withdraw, or the key would stand in line.
                 Ok(None) => {
                     granted.withdraw().await?;
-                    Ok(AcquireOutcome::Busy)
+                    Ok(AcquireOutcome::BUSY)
                 }
                 // Refused (permission), failed or unanswered: the put may
                 // have gone through, or go through later.

@@ -47,7 +47,7 @@ async fn l5_holder_watch_ignores_busy_attempts() {
             .try_acquire(&name, &other, Duration::from_secs(10))
             .await
             .unwrap();
-        assert!(matches!(busy, AcquireOutcome::Busy), "{busy:?}");
+        assert!(matches!(busy, AcquireOutcome::Busy { .. }), "{busy:?}");
         tokio::task::yield_now().await;
     }
     holder.force_release(&name).await.unwrap();
@@ -82,7 +82,7 @@ async fn a5_waiter_is_woken_by_the_holders_release() {
             .try_acquire(&name, &other, Duration::from_secs(10))
             .await
             .unwrap();
-        assert!(matches!(busy, AcquireOutcome::Busy), "{busy:?}");
+        assert!(matches!(busy, AcquireOutcome::Busy { .. }), "{busy:?}");
     }
     let lease = lock_etcd::lock_core::Lease::new(name.as_str(), owner, fencing_token);
     holder.release(&lease).await.unwrap();

@@ -7,8 +7,8 @@ use hashbrown::hash_map::{EntryRef, OccupiedEntry};
 use hashbrown::HashMap;
 // `LockBackend` and `OwnerToken` come in with the re-exports below.
 use lock_core::{
-    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Hold, Lease,
-    ReleaseHub, ReleaseOutcome, ReleaseWatch,
+    async_trait, AcquireOutcome, Capabilities, ExtendOutcome, ExtendRequest, Grant, Hold, Lease,
+    QueueTerms, ReleaseHub, ReleaseOutcome, ReleaseWatch,
 };
 use tokio::time::Instant;
 
@@ -62,6 +62,18 @@ struct State {
     sweep_at: usize,
     /// When a new key sweeps the table next, whatever its length.
     next_sweep: Option<Instant>,
+    /// The fair queue of each key with waiters \[F1\], in arrival order;
+    /// a key's entry goes when its last place does.
+    queues: HashMap<Box<str>, std::collections::VecDeque<Place>>,
+}
+
+/// A waiter's place in a key's queue.
+struct Place {
+    owner: OwnerToken,
+    /// Renewed by each of the waiter's attempts \[F2\].
+    alive_until: Instant,
+    /// How long a grant to it lasts unless taken up \[F3\].
+    claim: Duration,
 }
 
 struct Holder {
@@ -130,13 +142,24 @@ impl MemoryBackend {
         now: Instant,
     ) -> AcquireOutcome {
         let mut state = self.lock();
+        Self::acquire_locked(&mut state, key, owner, ttl, now)
+    }
+
+    fn acquire_locked(
+        state: &mut State,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        now: Instant,
+    ) -> AcquireOutcome {
         let State {
             held,
             fence,
             free,
             sweep_at,
             next_sweep,
-        } = &mut *state;
+            ..
+        } = state;
         let holder = Holder {
             owner: Some(owner.clone()),
             expires_at: now + ttl,
@@ -145,7 +168,9 @@ impl MemoryBackend {
         };
         match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().expires_at > now => {
-                return AcquireOutcome::Busy;
+                return AcquireOutcome::Busy {
+                    expires_in: Some(slot.get().expires_at - now),
+                };
             }
             // An expired holder's or a free entry is reused, key and all.
             EntryRef::Occupied(mut slot) => {
@@ -173,26 +198,162 @@ impl MemoryBackend {
 
     fn release_at(&self, lease: &Lease, now: Instant) -> ReleaseOutcome {
         let mut state = self.lock();
-        let State { held, free, .. } = &mut *state;
-        let outcome = match held.entry_ref(lease.key()) {
+        let (outcome, granted) = Self::release_locked(&mut state, lease.key(), lease.owner(), now);
+        drop(state);
+        self.announce(lease.key(), outcome, granted);
+        outcome
+    }
+
+    /// Frees `key` if `owner` holds it, granting it to the first live place
+    /// of its queue, if any \[F1\].
+    fn release_locked(
+        state: &mut State,
+        key: &str,
+        owner: &OwnerToken,
+        now: Instant,
+    ) -> (ReleaseOutcome, Option<Grant>) {
+        let State {
+            held,
+            free,
+            fence,
+            queues,
+            ..
+        } = state;
+        let outcome = match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().owner.is_none() => ReleaseOutcome::NotHeld,
             EntryRef::Occupied(slot) if slot.get().expires_at <= now => {
                 // Expired: free, and this lease no longer holds it.
                 Self::keep_free(slot, free, now);
                 ReleaseOutcome::NotHeld
             }
-            EntryRef::Occupied(slot) if slot.get().owner.as_ref() == Some(lease.owner()) => {
-                Self::keep_free(slot, free, now);
+            EntryRef::Occupied(mut slot) if slot.get().owner.as_ref() == Some(owner) => {
+                match Self::next_place(queues, key, now) {
+                    Some(place) => {
+                        *fence += 1;
+                        let holder = slot.get_mut();
+                        let grant = Grant::new(place.owner.as_str(), *fence, place.claim);
+                        *holder = Holder {
+                            owner: Some(place.owner),
+                            expires_at: now + place.claim,
+                            fencing_token: *fence,
+                            kept: false,
+                        };
+                        return (ReleaseOutcome::Released, Some(grant));
+                    }
+                    None => Self::keep_free(slot, free, now),
+                }
                 ReleaseOutcome::Released
             }
             EntryRef::Occupied(_) | EntryRef::Vacant(_) => ReleaseOutcome::NotHeld,
         };
         Self::give_back_room(held);
-        drop(state);
-        if outcome == ReleaseOutcome::Released {
-            self.inner.hub.notify(lease.key());
+        (outcome, None)
+    }
+
+    /// Wakes the watchers of a key released: its grantee alone, or every
+    /// waiter when nobody was queued.
+    fn announce(&self, key: &str, outcome: ReleaseOutcome, granted: Option<Grant>) {
+        match granted {
+            Some(grant) => self.inner.hub.grant(key, grant),
+            None if outcome == ReleaseOutcome::Released => self.inner.hub.notify(key),
+            None => {}
         }
-        outcome
+    }
+
+    /// Takes the first live place off `key`'s queue, dropping the places
+    /// whose waiters stopped renewing them \[F2\].
+    fn next_place(
+        queues: &mut HashMap<Box<str>, std::collections::VecDeque<Place>>,
+        key: &str,
+        now: Instant,
+    ) -> Option<Place> {
+        let queue = queues.get_mut(key)?;
+        let next = std::iter::from_fn(|| queue.pop_front()).find(|place| place.alive_until > now);
+        if queue.is_empty() {
+            queues.remove(key);
+        }
+        next
+    }
+
+    /// One attempt of a queued waiter \[F1\]; see
+    /// [`LockBackend::try_acquire_queued`].
+    fn acquire_queued_at(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+        now: Instant,
+    ) -> AcquireOutcome {
+        let mut state = self.lock();
+        let state = &mut *state;
+        let queue = state.queues.entry_ref(key).or_default();
+        queue.retain(|place| place.alive_until > now);
+        let ours = queue.iter().position(|place| place.owner == *owner);
+        let first = queue.front().map(|place| &place.owner);
+        let ahead = first.is_some_and(|first| first != owner);
+        // A grant to this waiter: taken up.
+        if let Some(holder) = state.held.get_mut(key) {
+            if holder.expires_at > now && holder.owner.as_ref() == Some(owner) {
+                holder.expires_at = now + ttl;
+                let fencing_token = holder.fencing_token;
+                Self::drop_place(&mut state.queues, key, owner);
+                return AcquireOutcome::Acquired { fencing_token };
+            }
+        }
+        if !ahead {
+            let answer = Self::acquire_locked(state, key, owner, ttl, now);
+            if matches!(answer, AcquireOutcome::Acquired { .. }) {
+                Self::drop_place(&mut state.queues, key, owner);
+                return answer;
+            }
+        }
+        let queue = state.queues.entry_ref(key).or_default();
+        let alive_until = now + terms.ticket_ttl;
+        match ours {
+            Some(i) => queue[i].alive_until = alive_until,
+            None => queue.push_back(Place {
+                owner: owner.clone(),
+                alive_until,
+                claim: terms.claim,
+            }),
+        }
+        let head = queue.front().is_some_and(|place| place.owner == *owner);
+        let expires_in = state
+            .held
+            .get(key)
+            .filter(|holder| head && holder.expires_at > now)
+            .map(|holder| holder.expires_at - now);
+        AcquireOutcome::Busy { expires_in }
+    }
+
+    fn drop_place(
+        queues: &mut HashMap<Box<str>, std::collections::VecDeque<Place>>,
+        key: &str,
+        owner: &OwnerToken,
+    ) {
+        if let Some(queue) = queues.get_mut(key) {
+            queue.retain(|place| place.owner != *owner);
+            if queue.is_empty() {
+                queues.remove(key);
+            }
+        }
+    }
+
+    /// Leaves `owner`'s place; a grant it did not take up is handed on as
+    /// a release would.
+    fn leave_at(&self, key: &str, owner: &OwnerToken, now: Instant) {
+        let mut state = self.lock();
+        Self::drop_place(&mut state.queues, key, owner);
+        let granted = state
+            .held
+            .get(key)
+            .is_some_and(|holder| holder.expires_at > now && holder.owner.as_ref() == Some(owner));
+        if granted {
+            let (outcome, grant) = Self::release_locked(&mut state, key, owner, now);
+            drop(state);
+            self.announce(key, outcome, grant);
+        }
     }
 
     /// Frees the entry of `slot`: kept for reuse while fewer than
@@ -283,6 +444,7 @@ impl MemoryBackend {
             ("memory: free entries", state.free),
             ("memory: expired entries", expired),
             ("memory: table capacity", state.held.capacity()),
+            ("memory: queued keys", state.queues.len()),
         ];
         drop(state);
         counts.extend(self.inner.hub.state_counts());
@@ -305,6 +467,22 @@ impl LockBackend for MemoryBackend {
             .with_name("memory")
             .with_release_notifications(true)
             .with_max_extend_batch(10_000)
+            .with_fair_queue(true)
+    }
+
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        Ok(self.acquire_queued_at(key, owner, ttl, terms, Instant::now()))
+    }
+
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        self.leave_at(key, owner, Instant::now());
+        Ok(())
     }
 
     async fn try_acquire(
@@ -398,10 +576,10 @@ mod tests {
             backend.try_acquire("k", &a, ttl).await.unwrap(),
             AcquireOutcome::Acquired { .. }
         ));
-        assert_eq!(
+        assert!(matches!(
             backend.try_acquire("k", &b, ttl).await.unwrap(),
-            AcquireOutcome::Busy
-        );
+            AcquireOutcome::Busy { .. }
+        ));
         tokio::time::advance(ttl).await;
         assert_eq!(backend.held_keys(), 0);
         assert!(matches!(
@@ -424,7 +602,7 @@ mod tests {
                     AcquireOutcome::Acquired { fencing_token } => {
                         Lease::new("k", owner, fencing_token)
                     }
-                    AcquireOutcome::Busy => panic!("k is busy"),
+                    AcquireOutcome::Busy { .. } => panic!("k is busy"),
                 }
             }
         };
@@ -507,7 +685,7 @@ mod tests {
             let key = format!("k{i}");
             let token = match backend.try_acquire(&key, &owner, ttl).await.unwrap() {
                 AcquireOutcome::Acquired { fencing_token } => fencing_token,
-                AcquireOutcome::Busy => panic!("{key} is busy"),
+                AcquireOutcome::Busy { .. } => panic!("{key} is busy"),
             };
             let lease = Lease::new(key.as_str(), owner.clone(), token);
             assert_eq!(

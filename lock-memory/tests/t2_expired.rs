@@ -24,7 +24,7 @@ async fn take(backend: &MemoryBackend, key: &str, ttl: Duration) -> Lease {
     let owner = OwnerToken::new("t2");
     match backend.try_acquire(key, &owner, ttl).await.unwrap() {
         AcquireOutcome::Acquired { fencing_token } => Lease::new(key, owner, fencing_token),
-        AcquireOutcome::Busy => panic!("{key} is busy"),
+        AcquireOutcome::Busy { .. } => panic!("{key} is busy"),
     }
 }
 

@@ -483,7 +483,7 @@ impl LockBackend for PostgresBackend {
             })
             .await?;
         match sequence {
-            None => Ok(AcquireOutcome::Busy),
+            None => Ok(AcquireOutcome::BUSY),
             Some(sequence) => u64::try_from(sequence)
                 .map(|fencing_token| AcquireOutcome::Acquired { fencing_token })
                 .map_err(|_| protocol(format!("negative sequence {sequence} for the key"))),

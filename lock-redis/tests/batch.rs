@@ -37,7 +37,7 @@ async fn script_runs(url: &str) -> u64 {
 fn acquired(outcome: &AcquireOutcome) -> u64 {
     match outcome {
         AcquireOutcome::Acquired { fencing_token } => *fencing_token,
-        AcquireOutcome::Busy => panic!("busy"),
+        AcquireOutcome::Busy { .. } => panic!("busy"),
     }
 }
 

@@ -25,7 +25,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 fn token_of(outcome: AcquireOutcome) -> u64 {
     match outcome {
         AcquireOutcome::Acquired { fencing_token } => fencing_token,
-        AcquireOutcome::Busy => panic!("busy"),
+        AcquireOutcome::Busy { .. } => panic!("busy"),
     }
 }
 

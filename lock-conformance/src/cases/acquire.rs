@@ -42,10 +42,13 @@ pub async fn a1_first_attempt_at_once_then_spaced_retries(factory: Arc<dyn Backe
     let counting = CountingBackend::new(Arc::clone(&backend));
     let b = node(counting.clone(), "b");
     let delay = Duration::from_millis(60);
+    // Unqueued: a waiter of the fair queue renews its place at its
+    // heartbeat instead of trying at every slot (f1_* cases).
     let cfg = LockConfig::default()
         .retry_attempts(3)
         .retry_delay(delay)
-        .retry_jitter(Duration::ZERO);
+        .retry_jitter(Duration::ZERO)
+        .no_queue();
     let started = Instant::now();
     let err = within(
         SOON,
@@ -344,10 +347,12 @@ pub async fn a7_retry_delays_are_jittered(factory: Arc<dyn BackendFactory>) {
     let waiter = node(counting.clone(), "waiter");
     let delay = Duration::from_millis(40);
     let jitter = Duration::from_millis(20);
+    // Unqueued: a waiter of the fair queue is woken by its grant.
     let cfg = LockConfig::default()
         .retry_attempts(12)
         .retry_delay(delay)
-        .retry_jitter(jitter);
+        .retry_jitter(jitter)
+        .no_queue();
     let err = within(
         SOON,
         "giving up",

@@ -208,7 +208,7 @@ pub async fn h5_stale_owner_changes_nothing(factory: Arc<dyn BackendFactory>) {
             AcquireOutcome::Acquired { fencing_token } => {
                 break Lease::new(key.as_str(), new.clone(), fencing_token)
             }
-            AcquireOutcome::Busy => {
+            AcquireOutcome::Busy { .. } => {
                 assert!(Instant::now() < deadline, "the old lease never expired");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }

@@ -161,7 +161,10 @@ pub async fn o6_key_replaced_before_first_extension_is_lost(factory: Arc<dyn Bac
     let probe = backend
         .try_acquire(&key, &OwnerToken::new("probe"), SHORT_TTL)
         .await;
-    assert!(matches!(probe, Ok(AcquireOutcome::Busy)), "{probe:?}");
+    assert!(
+        matches!(probe, Ok(AcquireOutcome::Busy { .. })),
+        "{probe:?}"
+    );
     let freed = backend.release(&Lease::new(key.as_str(), thief, 0)).await;
     assert!(
         matches!(freed, Ok(lock_core::ReleaseOutcome::Released)),

@@ -8,11 +8,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::backend::{AcquireOutcome, Lease, OwnerToken};
+use crate::backend::{AcquireOutcome, Lease, OwnerToken, QueueTerms, EXPIRY_MARGIN};
 use crate::config::{LockConfig, RetryAttempts};
 use crate::error::{BackendError, BackendErrorKind, LockError};
 use crate::gate::GatePass;
 use crate::held::{HeldLock, Holder};
+use crate::locker::queue::Place;
 use crate::locker::{Inner, Locker};
 use crate::metrics::{Acquisition, Step, Stopwatch};
 use crate::notify::ReleaseWatch;
@@ -51,8 +52,26 @@ impl Inner {
             }
             return (answer, true, in_flight);
         }
-        let (answer, in_flight) = self.attempt_in_flight(key, owner, ttl, in_flight).await;
+        let (answer, in_flight) = self
+            .attempt_in_flight(key, owner, ttl, None, in_flight)
+            .await;
         (answer, false, in_flight)
+    }
+
+    /// As [`attempt`](Self::attempt), for a waiter of the fair queue
+    /// \[F1\]: one queued attempt, which may make or renew the waiter's
+    /// place. Dropped with the step pending, a place it made is left in
+    /// the background.
+    pub(crate) async fn attempt_queued(
+        &self,
+        key: &Arc<str>,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> (Result<AcquireOutcome, BackendError>, AttemptInFlight) {
+        let in_flight = self.registry.attempt_started();
+        self.attempt_in_flight(key, owner, ttl, Some(terms), in_flight)
+            .await
     }
 
     /// Counts a failed attempt, and has the key cleaned up if the attempt
@@ -72,6 +91,7 @@ impl Inner {
         key: &Arc<str>,
         owner: &OwnerToken,
         ttl: Duration,
+        queue: Option<QueueTerms>,
         in_flight: AttemptInFlight,
     ) -> (Result<AcquireOutcome, BackendError>, AttemptInFlight) {
         let (registry, k, o) = (Arc::clone(&self.registry), Arc::clone(key), owner.clone());
@@ -79,7 +99,15 @@ impl Inner {
         // the attempt stays counted in flight until the orphan has settled
         // it \[S1\].
         let step = async move {
-            let answer = registry.backend.try_acquire(&k, &o, ttl).await;
+            let answer = match queue {
+                None => registry.backend.try_acquire(&k, &o, ttl).await,
+                Some(terms) => {
+                    registry
+                        .backend
+                        .try_acquire_queued(&k, &o, ttl, terms)
+                        .await
+                }
+            };
             (answer, registry, k, o, in_flight)
         };
         let orphan = move |(answer, registry, k, o, _in_flight): (
@@ -94,9 +122,17 @@ impl Inner {
                     .owe_release(Lease::new(k, o, fencing_token))
                     .in_background();
             }
-            Ok(AcquireOutcome::Busy) => {}
+            // A place the dropped waiter may have made is left.
+            Ok(AcquireOutcome::Busy { .. }) => {
+                if let Some(terms) = queue {
+                    crate::locker::queue::leave(&registry, k, o, terms);
+                }
+            }
             Err(error) => {
                 let error: BackendError = error;
+                if let Some(terms) = queue {
+                    crate::locker::queue::leave(&registry, Arc::clone(&k), o.clone(), terms);
+                }
                 registry.meter.backend_error(&k, Step::TryAcquire);
                 if error.may_have_reached_store() {
                     registry.cleanup.add(&registry, &k, o, Instant::now() + ttl);
@@ -402,7 +438,6 @@ impl Locker {
                     }
                 },
             };
-
             // The record of this key's last lock, if its gate kept one: its
             // owner token is drawn anew in place for each attempt, and the
             // record is renewed for the lock taken, so that a key used
@@ -414,20 +449,41 @@ impl Locker {
             // When a release notification woke this call, until the attempt
             // it triggers answers.
             let mut woken = None;
+            // [F1] The fair queue's terms, when this call may queue; it
+            // queues once it found the key busy, with one owner token for
+            // the rest of its wait, and its place is left if it ends
+            // without the lock.
+            let mut queue = inner.queue_for(config.queue_terms());
+            let mut place: Option<(OwnerToken, Place)> = None;
+            // When the queued waiter's next attempt is due: its heartbeat
+            // [F2], or the holder's expiry plus the margin [A9].
+            let mut due: Option<Instant>;
+            let mut busy_before = false;
             loop {
                 if inner.shutdown.is_started() {
                     return never().await;
                 }
-                // A new owner token for each attempt: the spare record's,
-                // redrawn (in place unless a clone of it was kept), when
-                // nobody else holds the record, which is then renewed for
-                // the lock taken; else a new one.
-                let token = match spare.as_mut().and_then(Arc::get_mut) {
-                    Some(record) => {
+                let queued = queue.filter(|_| busy_before);
+                // The place is this waiter's from its first queued attempt,
+                // whatever that attempt's answer (a place made by an
+                // attempt whose answer was lost is renewed, or left).
+                if let (Some(terms), None) = (queued, &place) {
+                    let owner = OwnerToken::draw(&inner.node_id);
+                    let left = Place::new(&inner.registry, key, &owner, terms);
+                    place = Some((owner, left));
+                }
+                // A new owner token for each unqueued attempt: the spare
+                // record's, redrawn (in place unless a clone of it was
+                // kept), when nobody else holds the record, which is then
+                // renewed for the lock taken; else a new one. A queued
+                // waiter keeps its place's token [F1].
+                let token = match (&place, spare.as_mut().and_then(Arc::get_mut)) {
+                    (Some((owner, _)), _) => Token::Fresh(owner.clone()),
+                    (None, Some(record)) => {
                         record.lease.owner_mut().redraw(&inner.node_id);
                         Token::Spare(record)
                     }
-                    None => Token::Fresh(OwnerToken::draw(&inner.node_id)),
+                    (None, None) => Token::Fresh(OwnerToken::draw(&inner.node_id)),
                 };
                 let owner = match &token {
                     Token::Spare(record) => record.lease.owner(),
@@ -436,8 +492,17 @@ impl Locker {
                 let sent_at = Instant::now();
                 let next_slot = next_slot.get_or_insert(sent_at);
                 let slot_due = sent_at >= *next_slot;
-                let (answer, at_once, in_flight) =
-                    inner.attempt(key, owner, config.ttl, sent_at).await;
+                // Set again by a busy answer; else the next attempt is at
+                // the next slot.
+                due = None;
+                let (answer, at_once, in_flight) = match queued {
+                    None => inner.attempt(key, owner, config.ttl, sent_at).await,
+                    Some(terms) => {
+                        let (answer, in_flight) =
+                            inner.attempt_queued(key, owner, config.ttl, terms).await;
+                        (answer, false, in_flight)
+                    }
+                };
                 // Settled when the lock is held or owed a release, or below.
                 let mut in_flight = Some(in_flight);
                 if let Some(woken) = woken.take() {
@@ -457,26 +522,39 @@ impl Locker {
                             }
                             Token::Fresh(owner) => new_record(owner),
                         };
+                        // Taking the key removed the place.
+                        if let Some((_, place)) = place.take() {
+                            place.taken();
+                        }
                         let in_flight = in_flight.take().expect("counted once");
                         match inner.hold_record(held, sent_at, at_once, in_flight).await {
-                            Ok((id, held)) => {
-                                return Ok(Holding {
-                                    release_on_drop: ReleaseOnDrop {
-                                        inner,
-                                        id,
-                                        armed: true,
-                                    },
-                                    held,
-                                    pass: Some(pass),
-                                });
-                            }
+                            Ok((id, held)) => return Ok(holding(inner, id, held, pass)),
                             Err(late) => {
                                 last_error = Some(late);
                                 false
                             }
                         }
                     }
-                    Ok(AcquireOutcome::Busy) => true,
+                    Ok(AcquireOutcome::Busy { expires_in }) => {
+                        if let Some(terms) = queued {
+                            due = Some(sent_at + terms.heartbeat());
+                        }
+                        // [A9] Never past the holder's expiry: an extra
+                        // attempt then, without jitter.
+                        if let Some(left) = expires_in {
+                            let expiry = sent_at + left + EXPIRY_MARGIN;
+                            due = Some(due.map_or(expiry, |due| due.min(expiry)));
+                        }
+                        true
+                    }
+                    // [F6] The store refuses the queue (a missing table or
+                    // right): wait unqueued, at once.
+                    Err(error) if error.is_permanent() && queued.is_some() => {
+                        inner.refuse_queue(&error);
+                        queue = None;
+                        place = None;
+                        continue;
+                    }
                     // [A8] A setup error is said at once: no attempt after
                     // it could do better.
                     Err(error) if error.is_permanent() => {
@@ -502,10 +580,12 @@ impl Locker {
                 // A failing store would fail the subscription too: watch
                 // only once the key was found held.
                 if busy && inner.caps.release_notifications && watch.is_none() {
+                    busy_before = true;
                     // Subscribe only once the key was found busy, so an
                     // uncontended call pays nothing for it; then try again at
                     // once, which sees any release made before the watch
-                    // existed, while the watch sees every one after.
+                    // existed, while the watch sees every one after (and,
+                    // with the queue, takes this waiter's place).
                     match inner.backend.watch_release(key).await {
                         Ok(w) => {
                             watch = Some(w);
@@ -514,15 +594,58 @@ impl Locker {
                         Err(error) => {
                             inner.registry.meter.backend_error(key, Step::WatchRelease);
                             tracing::debug!(error = %crate::ErrorChain(&error), "release watch failed; waiting on the retry timer");
+                            // Without notifications no grant would reach
+                            // this waiter: it waits unqueued.
+                            queue = None;
                         }
                     }
                 }
+                busy_before |= busy;
                 tracing::trace!(attempts = counted, "busy; waiting");
-                tokio::select! {
-                    biased;
-                    () = inner.shutdown.started() => return never().await,
-                    () = released(&mut watch) => woken = Some(Stopwatch::start()),
-                    () = tokio::time::sleep_until(*next_slot) => {}
+                // A queued waiter waits for its grant, its heartbeat or the
+                // holder's expiry; the slots it sleeps through count as
+                // attempts that found the key busy, so that it gives up on
+                // time. An unqueued one tries again at each slot.
+                loop {
+                    let wake_at = due.map_or(*next_slot, |due| due.min(*next_slot));
+                    tokio::select! {
+                        biased;
+                        () = inner.shutdown.started() => return never().await,
+                        () = released(&mut watch) => {
+                            // [F1, F4] A grant: the grantee's waiter holds
+                            // the lock from it, without a round trip; the
+                            // others wait on, as no attempt could take the
+                            // key.
+                            if let Some(grant) = watch.as_ref().and_then(ReleaseWatch::grant) {
+                                let Some((owner, _)) = place.as_ref().filter(|(owner, _)| *grant.owner == *owner.as_str()) else {
+                                    continue;
+                                };
+                                let woke = Stopwatch::start();
+                                if let Some((id, held)) = inner.take_grant(key, owner, &grant, config).await {
+                                    inner.registry.meter.notification_lag(key, &woke);
+                                    if let Some((_, place)) = place.take() {
+                                        place.taken();
+                                    }
+                                    return Ok(holding(inner, id, held, pass));
+                                }
+                            }
+                            woken = Some(Stopwatch::start());
+                            break;
+                        }
+                        () = tokio::time::sleep_until(wake_at) => {
+                            let now = Instant::now();
+                            if place.is_none() || due.is_none_or(|due| now >= due) {
+                                break;
+                            }
+                            // A slot slept through while queued.
+                            counted += 1;
+                            if exhausted(counted) {
+                                tracing::debug!(attempts = counted, "not acquired: still queued");
+                                return Err(not_acquired(key, counted, last_error.take()));
+                            }
+                            *next_slot = now.max(*next_slot) + config.jittered_delay();
+                        }
+                    }
                 }
             }
         };
@@ -538,6 +661,19 @@ impl Locker {
         let outcome = Acquisition::of(&acquired);
         inner.registry.meter.acquisition(key, outcome, &since);
         acquired
+    }
+}
+
+/// A lock just held for a callback, released if dropped.
+fn holding<'a>(inner: &'a Inner, id: u64, held: Arc<HeldLock>, pass: GatePass<'a>) -> Holding<'a> {
+    Holding {
+        release_on_drop: ReleaseOnDrop {
+            inner,
+            id,
+            armed: true,
+        },
+        held,
+        pass: Some(pass),
     }
 }
 

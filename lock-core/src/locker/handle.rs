@@ -100,7 +100,7 @@ impl LockHandle {
                     Err(late) => Err(self.backend_error(late)),
                 }
             }
-            Ok(AcquireOutcome::Busy) => Ok(false),
+            Ok(AcquireOutcome::Busy { .. }) => Ok(false),
             Err(source) => Err(self.backend_error(source)),
         }
     }

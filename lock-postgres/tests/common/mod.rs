@@ -57,7 +57,7 @@ lock_core::forward_lock_backend!(Observed => inner {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         let answer = self.inner.try_acquire(key, owner, ttl).await;
-        if matches!(answer, Ok(AcquireOutcome::Busy)) {
+        if matches!(answer, Ok(AcquireOutcome::Busy { .. })) {
             self.busy.send_modify(|busy| *busy.entry(key.to_owned()).or_default() += 1);
         }
         answer

@@ -161,7 +161,7 @@ pub(crate) fn ttl_ms(ttl: Duration) -> String {
 /// The acquire script's answer: 0 busy, else the fencing token.
 pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendError> {
     match u64::try_from(answer) {
-        Ok(0) => Ok(AcquireOutcome::Busy),
+        Ok(0) => Ok(AcquireOutcome::BUSY),
         Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
         Err(_) => Err(unexpected("acquire", answer)),
     }

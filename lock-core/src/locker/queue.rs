@@ -1,0 +1,158 @@
+//! A waiter's part of the fair queue \[F1–F3, F6\]: its place in the
+//! store's queue, left when its wait ends without the lock, and a grant
+//! turned into the start of a held lock.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backend::{Lease, OwnerToken, QueueTerms};
+use crate::config::LockConfig;
+use crate::error::BackendError;
+use crate::held::{HeldLock, Holder};
+use crate::locker::Inner;
+use crate::notify::Grant;
+use crate::registry::Registry;
+
+/// The first wait between two tries of a leave that failed; it doubles up
+/// to [`LEAVE_BACKOFF_MAX`].
+const LEAVE_BACKOFF: Duration = Duration::from_millis(20);
+const LEAVE_BACKOFF_MAX: Duration = Duration::from_millis(500);
+
+/// A waiter's place in the key's queue. Dropped armed (the wait gave up,
+/// failed, was cancelled or shut down), it is left in the background
+/// \[F2\]; a wait that took the lock disarms it (taking the key removed
+/// the place).
+pub(crate) struct Place {
+    registry: Arc<Registry>,
+    key: Arc<str>,
+    owner: OwnerToken,
+    terms: QueueTerms,
+    armed: bool,
+}
+
+impl Place {
+    pub(crate) fn new(
+        registry: &Arc<Registry>,
+        key: &Arc<str>,
+        owner: &OwnerToken,
+        terms: QueueTerms,
+    ) -> Self {
+        Self {
+            registry: Arc::clone(registry),
+            key: Arc::clone(key),
+            owner: owner.clone(),
+            terms,
+            armed: true,
+        }
+    }
+
+    /// The place ended with the lock taken: nothing to leave.
+    pub(crate) fn taken(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if self.armed {
+            leave(
+                &self.registry,
+                Arc::clone(&self.key),
+                self.owner.clone(),
+                self.terms,
+            );
+        }
+    }
+}
+
+/// Leaves the place of `owner` in the key's queue, in a task of its own: a
+/// leave that fails is sent again, with a backoff, until the place would
+/// have lapsed by itself (a ticket ttl from now), so that a connection cut
+/// under a waiter does not leave a dead place at the head for the rest of
+/// its ticket ttl. Without a runtime the place lapses.
+pub(crate) fn leave(registry: &Arc<Registry>, key: Arc<str>, owner: OwnerToken, terms: QueueTerms) {
+    let lapses = Instant::now() + terms.ticket_ttl;
+    let task_registry = Arc::clone(registry);
+    let leave = async move {
+        let mut backoff = LEAVE_BACKOFF;
+        loop {
+            match task_registry.backend.leave_queue(&key, &owner).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::debug!(key = %key, error = %crate::ErrorChain(&error), "leaving the fair queue failed");
+                    if error.is_permanent() || Instant::now() + backoff >= lapses {
+                        return;
+                    }
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(LEAVE_BACKOFF_MAX);
+        }
+    };
+    registry.spawn(leave);
+}
+
+/// The clock reading from which a grant's validity counts, as an
+/// acquisition's counts from the moment it was sent: the release gave the
+/// key for the claim deadline before this process heard of it, so its
+/// validity ends a claim deadline after the grant was received at the
+/// latest (less the driver's usual drift allowance). The first extension,
+/// due at once, makes it the lock's own ttl. `None` when the clock cannot
+/// go back that far.
+pub(crate) fn grant_sent_at(grant: &Grant, ttl: Duration) -> Option<Instant> {
+    grant
+        .received_at
+        .checked_sub(ttl.saturating_sub(grant.claim))
+}
+
+impl Inner {
+    /// Starts holding the lock `grant` gave `owner` \[F1\], with no round
+    /// trip: its validity counts from the grant (see [`grant_sent_at`]),
+    /// and its first extension, due at once, takes it up. `None` when the
+    /// grant ran out before it could be used (it is then released, and
+    /// the waiter tries again).
+    pub(crate) async fn take_grant(
+        &self,
+        key: &Arc<str>,
+        owner: &OwnerToken,
+        grant: &Grant,
+        config: &LockConfig,
+    ) -> Option<(u64, Arc<HeldLock>)> {
+        let sent_at = grant_sent_at(grant, config.ttl)?;
+        let lease = Lease::new(Arc::clone(key), owner.clone(), grant.fencing_token);
+        let in_flight = self.registry.attempt_started();
+        self.hold(
+            lease,
+            config.ttl,
+            sent_at,
+            false,
+            Holder::Callback,
+            in_flight,
+        )
+        .await
+        .ok()
+    }
+
+    /// The terms of the queue for a call with `terms`, unless the backend
+    /// keeps none or this locker found it refused \[F6\].
+    pub(crate) fn queue_for(&self, terms: Option<QueueTerms>) -> Option<QueueTerms> {
+        terms.filter(|_| self.caps.queues() && !self.queue_refused.load(Ordering::Relaxed))
+    }
+
+    /// The store refused the queue with a setup error: this locker waits
+    /// unqueued from now on, and the log says so once \[F6\].
+    pub(crate) fn refuse_queue(&self, error: &BackendError) {
+        if !self.queue_refused.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                backend = self.caps.name,
+                error = %crate::ErrorChain(error),
+                "the store refused the fair queue; this node waits unqueued from now on \
+                 (give the lock user the queue's rights, or run the backend's migration; \
+                 see the backend's README)"
+            );
+        }
+    }
+}
