@@ -37,6 +37,9 @@ struct Gate {
     /// more, for the next one to take without an allocation (with its
     /// owner token).
     spare: Option<Arc<HeldLock>>,
+    /// The last call on the key found it held elsewhere: the next one
+    /// waits in the fair queue from its first attempt \[F1\].
+    contended: bool,
 }
 
 #[derive(Default)]
@@ -49,11 +52,14 @@ struct Table {
 impl Table {
     /// Passes the gate of `key` to its next waiter; with none left, the
     /// gate goes idle, or away beyond [`KEPT_IDLE`] idle ones.
-    fn hand_over(&mut self, key: &GateKey, spare: Option<Arc<HeldLock>>) {
+    fn hand_over(&mut self, key: &GateKey, spare: Option<Arc<HeldLock>>, contended: Option<bool>) {
         let Ok(mut entry) = self.gates.find_entry(key.hash, |g| key.is(&g.key)) else {
             return;
         };
         let gate = entry.get_mut();
+        if let Some(contended) = contended {
+            gate.contended = contended;
+        }
         if spare.is_some() {
             gate.spare = spare;
         }
@@ -139,6 +145,8 @@ impl Gates {
                     gates: self,
                     key: GateKey::of(hash, &gate.key),
                     spare: gate.spare.take(),
+                    contended: gate.contended,
+                    found: None,
                 };
                 return (Arc::clone(&gate.key), Ok(pass));
             }
@@ -150,6 +158,7 @@ impl Gates {
                     busy: true,
                     waiters: VecDeque::new(),
                     spare: None,
+                    contended: false,
                 };
                 gates.insert_unique(hash, gate, |g| g.hash);
                 key
@@ -159,6 +168,8 @@ impl Gates {
             gates: self,
             key: GateKey::of(hash, &key),
             spare: None,
+            contended: false,
+            found: None,
         };
         (key, Ok(pass))
     }
@@ -188,9 +199,26 @@ pub(crate) struct GatePass<'a> {
     /// The gate's spare record when the pass was taken, or the one to give
     /// it back when the pass is dropped.
     spare: Option<Arc<HeldLock>>,
+    /// Whether the last call on the key found it held elsewhere, when the
+    /// pass was taken.
+    contended: bool,
+    /// What this call found, for the gate when the pass is dropped.
+    found: Option<bool>,
 }
 
 impl GatePass<'_> {
+    /// Whether the key's last call found it held elsewhere (or, for a pass
+    /// handed on in this process, whether the call before did): this call
+    /// then queues from its first attempt \[F1\].
+    pub(crate) fn contended(&self) -> bool {
+        self.contended
+    }
+
+    /// Records whether this call found the key held elsewhere.
+    pub(crate) fn found_contended(&mut self, contended: bool) {
+        self.found = Some(contended);
+    }
+
     /// The record of the key's last lock, if the gate kept one: nobody
     /// else holds it.
     pub(crate) fn take_spare(&mut self) -> Option<Arc<HeldLock>> {
@@ -210,7 +238,7 @@ impl GatePass<'_> {
 impl Drop for GatePass<'_> {
     fn drop(&mut self) {
         let spare = self.spare.take();
-        self.gates.lock().hand_over(&self.key, spare);
+        self.gates.lock().hand_over(&self.key, spare, self.found);
     }
 }
 
@@ -235,10 +263,18 @@ impl<'a> GateWait<'a> {
             let _ = rx.await;
             self.rx = None;
         }
+        let contended = self
+            .gates
+            .lock()
+            .gates
+            .find(self.key.hash, |g| self.key.is(&g.key))
+            .is_some_and(|g| g.contended);
         GatePass {
             gates: self.gates,
             key: self.key.clone(),
             spare: None,
+            contended,
+            found: None,
         }
     }
 }
@@ -250,7 +286,7 @@ impl Drop for GateWait<'_> {
             // and the drop of the receiver.
             let mut table = self.gates.lock();
             if rx.try_recv().is_ok() {
-                table.hand_over(&self.key, None);
+                table.hand_over(&self.key, None, None);
             }
         }
     }

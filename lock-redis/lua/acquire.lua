@@ -38,8 +38,8 @@
 -- the written values, never a re-run of the script): the only mode from
 -- Redis 7, the default from Redis 5.
 --
--- Returns 0 when the key is held by someone else (one command run, nothing
--- written), else the new fencing token (>= 1): as a decimal string when it
+-- Returns 0 when the key is held by someone else, or -2 - PTTL when that
+-- holder's key expires (two commands run, nothing written) [A9], else the new fencing token (>= 1): as a decimal string when it
 -- is the clock, as an integer when it is the counter. Fails, having
 -- changed nothing, when the companion holds anything but a decimal integer
 -- from 1 to 2^53 - 2 (with no sign, point or leading zero).
@@ -52,6 +52,12 @@
 -- and the two tokens, digit strings without leading zeros, are compared
 -- by length, then by their digits.
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    -- [A9] Busy: how long the holder has left, when its key expires.
+    -- (pcall: a user whose ACL lacks PTTL is told nothing.)
+    local left = redis.pcall('PTTL', KEYS[1])
+    if type(left) == 'number' and left >= 0 then
+        return -2 - left
+    end
     return 0
 end
 local now = redis.call('TIME')

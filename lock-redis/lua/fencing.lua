@@ -32,8 +32,9 @@
 -- the written values, never a re-run of the script): the only mode from
 -- Redis 7, the default from Redis 5.
 --
--- It returns 0 when the key is held by someone else (one command run,
--- nothing written), else the new fencing token (>= 1): as a decimal string
+-- It returns 0 when the key is held by someone else, or -2 - PTTL when
+-- that holder's key expires (two commands run, nothing written) [A9],
+-- else the new fencing token (>= 1): as a decimal string
 -- when it is the clock, as an integer when it is the counter. It returns an
 -- error reply, having changed nothing, when the companion holds anything
 -- but a decimal integer from 1 to 2^53 - 2 (no sign, point or leading
@@ -61,6 +62,12 @@ end
 
 local function acquire(lock, fence, owner, ttl, fence_ttl)
     if not redis.call('SET', lock, owner, 'NX', 'PX', ttl) then
+        -- [A9] Busy: how long the holder has left, when its key expires.
+        -- (pcall: a user whose ACL lacks PTTL is told nothing.)
+        local left = redis.pcall('PTTL', lock)
+        if type(left) == 'number' and left >= 0 then
+            return -2 - left
+        end
         return 0
     end
     local token = clock()

@@ -1,15 +1,19 @@
--- Frees several locks, each as release.lua does, in one atomic script run:
--- the releases that concurrent callers made at the same moment, sent as
--- one command.
+-- Frees several locks, each as release.lua does (granting a lock whose key
+-- has waiters queued to the first live one [F1]), in one atomic script
+-- run: the releases that concurrent callers made at the same moment, sent
+-- as one command. After fencing.lua and queue.lua.
 --
--- KEYS[i]              the i-th lock key
--- ARGV[1]               the release channel; each message is a released
---                       lock key
--- ARGV[i+1]             the owner token of the i-th lock
+-- KEYS[4i-3..4i]  the i-th lock key, its fencing companion, its queue and
+--                 its waiters (all four in one hash slot)
+-- ARGV[1]         the release channel; each message is a released lock
+--                 key, or a grant's message (see queue.lua)
+-- ARGV[2]         the companions' idle period in milliseconds
+-- ARGV[i+2]       the owner token of the i-th lock
 --
--- The messages are published only if someone listens (a subscriber of the
--- channel, or any pattern subscriber): asked once for the whole batch,
--- where a publication costs a command per lock.
+-- A free key's message is published only if someone listens (a
+-- subscriber of the channel, or any pattern subscriber): asked once for
+-- the whole batch, where a publication costs a command per lock. A grant
+-- is always announced: its grantee listens.
 --
 -- Each companion keeps the expiry its lock's acquisition or last
 -- extension gave it: at least the idle period after this release (see
@@ -20,17 +24,21 @@
 -- (pcall: a key of another type, as a client that keeps its locks in a hash
 -- makes, is another owner's lock, not an error.)
 --
--- Returns one answer per lock, in order: 1 released, 0 not held by its
--- owner token (nothing changed, nothing published).
+-- Returns one answer per lock, in order: 1 released (or granted), 0 not
+-- held by its owner token (nothing changed, nothing published).
 local listened = redis.call('PUBSUB', 'NUMSUB', ARGV[1])[2] > 0
     or redis.call('PUBSUB', 'NUMPAT') > 0
 local answers = {}
-for i = 1, #KEYS do
-    local lock = KEYS[i]
-    if redis.pcall('GET', lock) == ARGV[i + 1] then
-        redis.call('DEL', lock)
-        if listened then
-            redis.call('PUBLISH', ARGV[1], lock)
+for i = 1, #KEYS / 4 do
+    local lock = KEYS[4 * i - 3]
+    if redis.pcall('GET', lock) == ARGV[i + 2] then
+        if redis.pcall('EXISTS', KEYS[4 * i - 1]) == 1 then
+            hand_on(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], ARGV[1], ARGV[2], now_ms())
+        else
+            redis.call('DEL', lock)
+            if listened then
+                redis.call('PUBLISH', ARGV[1], lock)
+            end
         end
         answers[i] = 1
     else

@@ -246,6 +246,19 @@ impl RedisBackend {
         fence_key(&self.lock_key(key))
     }
 
+    /// The Redis keys of `key`'s fair queue \[F1\], in the same hash slot
+    /// as [`lock_key`](Self::lock_key): a sorted set of the waiting owner
+    /// tokens in arrival order, and a hash of their places
+    /// (`<alive until ms>:<claim ms>`). Both expire a ticket ttl after the
+    /// last waiter's last attempt.
+    pub fn queue_keys(&self, key: &str) -> (String, String) {
+        let lock_key = self.lock_key(key);
+        (
+            crate::slot::queue_key(&lock_key),
+            crate::slot::waiters_key(&lock_key),
+        )
+    }
+
     /// The Redis key of the record of `key`'s minimum hold \[H7\], in the
     /// same hash slot as [`lock_key`](Self::lock_key): the hold step (a
     /// run that ended before its [`hold_at_least`](lock_core::LockConfig::hold_at_least))

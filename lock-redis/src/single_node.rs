@@ -16,7 +16,7 @@ use std::time::Duration;
 use lock_core::LockBackend;
 use lock_core::{
     batch_results, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Hold, Lease, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    ExtendRequest, Hold, Lease, OwnerToken, QueueTerms, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 use redis::aio::MultiplexedConnection;
 use redis::FromRedisValue;
@@ -29,11 +29,14 @@ use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
-use crate::plumbing::scripts::{Lua, ACQUIRE, ACQUIRE_BATCH, EXTEND, HOLD, RELEASE, RELEASE_BATCH};
+use crate::plumbing::scripts::{
+    Lua, ACQUIRE, ACQUIRE_BATCH, ACQUIRE_QUEUED, EXTEND, HOLD, LEAVE_QUEUE, RELEASE, RELEASE_BATCH,
+    RELEASE_BATCH_UNQUEUED, RELEASE_UNQUEUED,
+};
 use crate::plumbing::timeout::within;
 use crate::same_server::{Next, SameServer};
 use crate::sentinel::connected_replicas;
-use crate::slot::{fence_key, kept_key};
+use crate::slot::{fence_key, kept_key, queue_key, waiters_key};
 use crate::subscription::{PubSubTarget, Subscription};
 
 /// Where a single-node backend's connections come from.
@@ -109,6 +112,9 @@ struct Inner<S> {
     releases: Batcher,
     /// Where the connections taken from the source are made and driven.
     driver: Driver,
+    /// The ACL refused the fair queue's keys to a release (`NOPERM`): the
+    /// releases of this backend leave them out from then on \[F6\].
+    queue_refused: std::sync::atomic::AtomicBool,
 }
 
 impl<S: Source> SingleNode<S> {
@@ -141,6 +147,7 @@ impl<S: Source> SingleNode<S> {
                 acquisitions: Batcher::default(),
                 releases: Batcher::default(),
                 driver: Driver::default(),
+                queue_refused: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -501,22 +508,47 @@ impl<S: Source> BatchOnTheWire<S> {
     async fn send(mut self) {
         let backend = self.backend.clone();
         let answer = {
-            let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 2);
-            let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 3 + 2);
-            if self.step == Step::Release {
-                args.push(&backend.inner.channel);
-            }
-            for queued in &self.batch {
-                keys.extend(queued.keys.iter().map(String::as_str));
-                args.extend(queued.args.iter().map(String::as_str));
-            }
-            let script = match self.step {
-                Step::Acquisition => &ACQUIRE_BATCH,
-                Step::Release => &RELEASE_BATCH,
+            let fence_idle = backend.inner.config.fence_idle_ms();
+            let send = |queue: bool| {
+                let mut keys: Vec<&str> = Vec::with_capacity(self.batch.len() * 4);
+                let mut args: Vec<&str> = Vec::with_capacity(self.batch.len() * 3 + 2);
+                if self.step == Step::Release {
+                    args.push(&backend.inner.channel);
+                    if queue {
+                        args.push(&fence_idle);
+                    }
+                }
+                for queued in &self.batch {
+                    // A release's keys are the lock's and, for the queue,
+                    // its companion, queue and waiters [F1].
+                    let own = if self.step == Step::Release && !queue {
+                        &queued.keys[..1]
+                    } else {
+                        &queued.keys[..]
+                    };
+                    keys.extend(own.iter().map(String::as_str));
+                    args.extend(queued.args.iter().map(String::as_str));
+                }
+                let script = match (self.step, queue) {
+                    (Step::Acquisition, _) => &ACQUIRE_BATCH,
+                    (Step::Release, true) => &RELEASE_BATCH,
+                    (Step::Release, false) => &RELEASE_BATCH_UNQUEUED,
+                };
+                let backend = &backend;
+                async move {
+                    backend
+                        .run_script::<Vec<redis::Value>>(self.step.name(), script, &keys, &args)
+                        .await
+                }
             };
-            backend
-                .run_script::<Vec<redis::Value>>(self.step.name(), script, &keys, &args)
-                .await
+            let queue = self.step == Step::Release && backend.queue_allowed();
+            match send(queue).await {
+                Err(error) if queue && is_key_refused(&error) => {
+                    backend.refuse_queue(&error);
+                    send(false).await
+                }
+                answer => answer,
+            }
         };
         let n = self.batch.len();
         let answers: Vec<Result<redis::Value, BackendError>> = match answer {
@@ -551,6 +583,18 @@ impl<S: Source> Drop for BatchOnTheWire<S> {
 
 /// The error of an acquisition whose fencing companion holds no counter, as
 /// the one-key script gives it.
+/// The keys of a lock's release and fair-queue steps, in their scripts'
+/// order: the lock key, its fencing companion, its queue and its waiters,
+/// all in the lock key's hash slot.
+fn queue_keys(lock_key: &str) -> [String; 4] {
+    [
+        lock_key.to_owned(),
+        fence_key(lock_key),
+        queue_key(lock_key),
+        waiters_key(lock_key),
+    ]
+}
+
 fn corrupt_companion(fence: &str) -> BackendError {
     map_redis_error(redis::RedisError::from((
         redis::ErrorKind::ResponseError,
@@ -695,6 +739,7 @@ impl<S: Source> SingleNode<S> {
             .with_release_notifications(self.inner.subscription.is_some())
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(self.inner.config.max_extend_batch)
+            .with_fair_queue(true)
     }
 
     /// The step of [`LockBackend::try_acquire`].
@@ -787,28 +832,97 @@ impl<S: Source> SingleNode<S> {
         0
     }
 
-    /// The step of [`LockBackend::release`].
+    /// The step of [`LockBackend::release`]: a grant to the fair queue's
+    /// head when waiters are queued \[F1\], else the key freed.
     pub(crate) async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
         let answer = if let Some(_counted) = self.alone(Step::Release) {
-            self.run_script(
-                "release",
-                &RELEASE,
-                &[&lock_key],
-                &[lease.owner().as_str(), &self.inner.channel],
-            )
-            .await?
+            let owner = lease.owner().as_str();
+            if self.queue_allowed() {
+                let keys = queue_keys(&lock_key);
+                let keys = keys.each_ref().map(String::as_str);
+                let args = [
+                    owner,
+                    &self.inner.channel,
+                    &self.inner.config.fence_idle_ms(),
+                ];
+                match self.run_script("release", &RELEASE, &keys, &args).await {
+                    Err(error) if is_key_refused(&error) => self.refuse_queue(&error),
+                    answer => return release_outcome(answer?),
+                }
+            }
+            let args = [owner, &self.inner.channel];
+            self.run_script("release", &RELEASE_UNQUEUED, &[&lock_key], &args)
+                .await?
         } else {
             let answer = self
                 .queued(
                     Step::Release,
-                    vec![lock_key.into_owned()],
+                    queue_keys(&lock_key).into(),
                     vec![lease.owner().as_str().to_owned()],
                 )
                 .await?;
             i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
         };
         release_outcome(answer)
+    }
+
+    /// Whether releases may touch the fair queue's keys: the ACL has not
+    /// refused them \[F6\].
+    fn queue_allowed(&self) -> bool {
+        !self.inner.queue_refused.load(Ordering::Relaxed)
+    }
+
+    /// The ACL refused the fair queue's keys to a release: the releases
+    /// leave them out from now on, and the log says so once \[F6\].
+    fn refuse_queue(&self, error: &BackendError) {
+        if !self.inner.queue_refused.swap(true, Ordering::Relaxed) {
+            tracing::warn!(error = %lock_core::ErrorChain(error), "the ACL refuses the fair queue's keys; releases free the key without granting it to a queued waiter (add the queue's key patterns to the user: see lock-redis's README)");
+        }
+    }
+
+    /// The step of [`LockBackend::try_acquire_queued`].
+    pub(crate) async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let lock_key = self.lock_key(key);
+        let keys = queue_keys(&lock_key);
+        let keys = keys.each_ref().map(String::as_str);
+        let args = [
+            owner.as_str(),
+            &ttl_ms(ttl),
+            &self.inner.config.fence_ttl_ms(ttl),
+            &ttl_ms(terms.ticket_ttl),
+            &ttl_ms(terms.claim),
+        ];
+        let answer = self
+            .run_script("queued acquisition", &ACQUIRE_QUEUED, &keys, &args)
+            .await?;
+        acquire_outcome(answer)
+    }
+
+    /// The step of [`LockBackend::leave_queue`].
+    pub(crate) async fn leave_queue(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+    ) -> Result<(), BackendError> {
+        let lock_key = self.lock_key(key);
+        let keys = queue_keys(&lock_key);
+        let keys = keys.each_ref().map(String::as_str);
+        let args = [
+            owner.as_str(),
+            &self.inner.channel,
+            &self.inner.config.fence_idle_ms(),
+        ];
+        let _handed_on: i64 = self
+            .run_script("leaving the queue", &LEAVE_QUEUE, &keys, &args)
+            .await?;
+        Ok(())
     }
 
     /// The step of [`LockBackend::hold`]: the extension with the time left
@@ -953,6 +1067,39 @@ macro_rules! single_node_lock_backend {
                 key: &str,
             ) -> Result<lock_core::ReleaseWatch, lock_core::BackendError> {
                 self.$field.watch_release(key).await
+            }
+
+            /// One script: takes up a grant, takes a free key when no live
+            /// place is ahead, else keeps the owner's place in the key's
+            /// queue alive for the ticket ttl \[F1, F2\] (`lua/queue.lua`).
+            /// A user whose ACL does not reach the queue's keys gets the
+            /// server's `NOPERM`, a setup error: the driver then waits
+            /// unqueued \[F6\].
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may have made a place or taken the key.
+            async fn try_acquire_queued(
+                &self,
+                key: &str,
+                owner: &lock_core::OwnerToken,
+                ttl: std::time::Duration,
+                terms: lock_core::QueueTerms,
+            ) -> Result<lock_core::AcquireOutcome, lock_core::BackendError> {
+                self.$field.try_acquire_queued(key, owner, ttl, terms).await
+            }
+
+            /// One script: the place removed, a grant not taken up handed on.
+            ///
+            /// # Cancel safety
+            ///
+            /// A dropped call may or may not have been applied.
+            async fn leave_queue(
+                &self,
+                key: &str,
+                owner: &lock_core::OwnerToken,
+            ) -> Result<(), lock_core::BackendError> {
+                self.$field.leave_queue(key, owner).await
             }
         }
     };

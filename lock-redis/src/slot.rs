@@ -73,6 +73,26 @@ pub fn kept_key(key: &str) -> String {
     companion(key, KEPT_INFIX)
 }
 
+/// The sorted set of `key`'s fair queue \[F1\]: each waiting owner
+/// token, scored by its arrival (see `lua/queue.lua`). In `key`'s hash
+/// slot, as [`fence_key`] is.
+pub fn queue_key(key: &str) -> String {
+    companion(key, QUEUE_INFIX)
+}
+
+/// The hash of the places of `key`'s fair queue \[F1\]: each waiting
+/// owner token and `<alive until ms>:<claim ms>` (see `lua/queue.lua`).
+pub fn waiters_key(key: &str) -> String {
+    companion(key, WAITERS_INFIX)
+}
+
+/// What the name of a lock's fair-queue keys holds between the hash tag
+/// and the lock key: the queue's order…
+pub const QUEUE_INFIX: &str = ":withlock-queue:";
+
+/// … and its places.
+pub const WAITERS_INFIX: &str = ":withlock-waiters:";
+
 /// `{T}<infix><key>`, `T` as [`fence_key`] says.
 fn companion(key: &str, infix: &str) -> String {
     let mut out = String::with_capacity(key.len() * 2 + infix.len() + 2);

@@ -402,6 +402,12 @@ pub(crate) struct RunArgs {
     /// Wait as long as it takes for a busy lock.
     #[arg(long, group = "waiting")]
     pub(crate) wait_forever: bool,
+    /// Wait outside the fair queue: by default a waiting run takes a place
+    /// in the key's queue, where the store keeps one, and hosts get the
+    /// lock in the order they asked for it (SPEC F1); without the queue
+    /// the fastest host after each release wins.
+    #[arg(long)]
+    pub(crate) no_queue: bool,
     /// How long CMD's process group has between SIGTERM (or a forwarded
     /// signal) and SIGKILL: after a lost lock, past --max-runtime, after a
     /// signal withlock forwards, and for what CMD leaves running when it

@@ -481,6 +481,9 @@ fn lock_config(args: &RunArgs) -> Result<LockConfig, Failure> {
     if let Some(minimum) = args.lock_at_least {
         config = config.hold_at_least(minimum);
     }
+    if args.no_queue {
+        config = config.no_queue();
+    }
     if args.no_wait {
         config = config.retry_attempts(0);
     } else if args.wait_forever {
@@ -652,6 +655,12 @@ mod tests {
         assert_eq!(
             config_of(&["--wait", "0s"]).unwrap().retry_attempts,
             RetryAttempts::Limited(0)
+        );
+        // The fair queue by default [F1]; --no-queue opts out.
+        assert!(config_of(&["--wait-forever"]).unwrap().fair_queue.is_some());
+        assert_eq!(
+            config_of(&["--wait-forever", "--no-queue"]).unwrap().fair_queue,
+            None
         );
     }
 

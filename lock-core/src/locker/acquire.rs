@@ -458,7 +458,24 @@ impl Locker {
             // When the queued waiter's next attempt is due: its heartbeat
             // [F2], or the holder's expiry plus the margin [A9].
             let mut due: Option<Instant>;
+            // [F1] A key found held elsewhere by its last call here is
+            // likely held now: this call watches it and queues from its
+            // first attempt, sparing a round trip and an attempt.
             let mut busy_before = false;
+            // Whether this call found the key held elsewhere, for the next.
+            let mut saw_busy = false;
+            if queue.is_some() && pass.contended() {
+                match inner.backend.watch_release(key).await {
+                    Ok(w) => {
+                        watch = Some(w);
+                        busy_before = true;
+                    }
+                    Err(error) => {
+                        inner.registry.meter.backend_error(key, Step::WatchRelease);
+                        tracing::debug!(error = %crate::ErrorChain(&error), "release watch failed; waiting on the retry timer");
+                    }
+                }
+            }
             loop {
                 if inner.shutdown.is_started() {
                     return never().await;
@@ -527,6 +544,7 @@ impl Locker {
                             place.taken();
                         }
                         let in_flight = in_flight.take().expect("counted once");
+                        pass.found_contended(saw_busy);
                         match inner.hold_record(held, sent_at, at_once, in_flight).await {
                             Ok((id, held)) => return Ok(holding(inner, id, held, pass)),
                             Err(late) => {
@@ -536,6 +554,8 @@ impl Locker {
                         }
                     }
                     Ok(AcquireOutcome::Busy { expires_in }) => {
+                        saw_busy = true;
+                        pass.found_contended(true);
                         if let Some(terms) = queued {
                             due = Some(sent_at + terms.heartbeat());
                         }
@@ -623,6 +643,7 @@ impl Locker {
                                 let woke = Stopwatch::start();
                                 if let Some((id, held)) = inner.take_grant(key, owner, &grant, config).await {
                                     inner.registry.meter.notification_lag(key, &woke);
+                                    pass.found_contended(true);
                                     if let Some((_, place)) = place.take() {
                                         place.taken();
                                     }

@@ -37,10 +37,40 @@ pub(crate) static HOLD: Lua = Lua::new(concat!(
     "\n",
     include_str!("../../lua/extend.lua")
 ));
-/// The release script of one server: `PUBLISH` on the release channel.
+/// The release script of one server: a grant to the fair queue's head
+/// \[F1\], or the key freed; `PUBLISH` on the release channel either way.
 pub(crate) static RELEASE: Lua = Lua::new(include_str!("../../lua/release.lua"));
-/// Several releases in one script run (see [`crate::batch`]).
-pub(crate) static RELEASE_BATCH: Lua = Lua::new(include_str!("../../lua/release_batch.lua"));
+/// Several releases in one script run (see [`crate::batch`]), each as
+/// [`RELEASE`].
+pub(crate) static RELEASE_BATCH: Lua = Lua::new(concat!(
+    include_str!("../../lua/fencing.lua"),
+    "\n",
+    include_str!("../../lua/queue.lua"),
+    "\n",
+    include_str!("../../lua/release_batch.lua")
+));
+/// The release of a user whose ACL does not reach the fair queue's keys
+/// \[F6\]: the key freed and announced, as before the queue.
+pub(crate) static RELEASE_UNQUEUED: Lua = Lua::new(include_str!("../../lua/release_unqueued.lua"));
+/// Several releases of such a user in one script run.
+pub(crate) static RELEASE_BATCH_UNQUEUED: Lua =
+    Lua::new(include_str!("../../lua/release_batch_unqueued.lua"));
+/// One attempt of a waiter in the key's fair queue \[F1–F3\].
+pub(crate) static ACQUIRE_QUEUED: Lua = Lua::new(concat!(
+    include_str!("../../lua/fencing.lua"),
+    "\n",
+    include_str!("../../lua/queue.lua"),
+    "\n",
+    include_str!("../../lua/acquire_queued.lua")
+));
+/// A waiter's place left, an untaken grant handed on \[F2\].
+pub(crate) static LEAVE_QUEUE: Lua = Lua::new(concat!(
+    include_str!("../../lua/fencing.lua"),
+    "\n",
+    include_str!("../../lua/queue.lua"),
+    "\n",
+    include_str!("../../lua/leave_queue.lua")
+));
 /// The release script of a cluster: `SPUBLISH` on the slot's shard channel.
 pub(crate) static RELEASE_SHARDED: Lua = Lua::new(include_str!("../../lua/release_sharded.lua"));
 /// Reads a lock key, its ttl and its companion whatever their types.
@@ -158,12 +188,18 @@ pub(crate) fn ttl_ms(ttl: Duration) -> String {
     ttl.as_millis().clamp(1, u128::from(u64::MAX)).to_string()
 }
 
-/// The acquire script's answer: 0 busy, else the fencing token.
+/// The acquire scripts' answer: the fencing token (>= 1), or busy: 0, or
+/// -2 - the holder's PTTL in milliseconds \[A9\].
 pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendError> {
-    match u64::try_from(answer) {
-        Ok(0) => Ok(AcquireOutcome::BUSY),
-        Ok(fencing_token) => Ok(AcquireOutcome::Acquired { fencing_token }),
-        Err(_) => Err(unexpected("acquire", answer)),
+    match answer {
+        0 => Ok(AcquireOutcome::BUSY),
+        1.. => Ok(AcquireOutcome::Acquired {
+            fencing_token: answer.unsigned_abs(),
+        }),
+        ..=-2 => Ok(AcquireOutcome::Busy {
+            expires_in: Some(Duration::from_millis((-2 - answer).unsigned_abs())),
+        }),
+        -1 => Err(unexpected("acquire", answer)),
     }
 }
 

@@ -14,7 +14,7 @@ use std::future::Future;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use lock_core::ReleaseHub;
+use lock_core::{Grant, ReleaseHub};
 use tokio::sync::oneshot;
 use tokio::time::{Interval, MissedTickBehavior};
 
@@ -80,11 +80,39 @@ pub(crate) fn ticker(every: Duration) -> Interval {
 /// key without `prefix`; a key of another prefix, or not UTF-8, is nobody's.
 pub(crate) fn deliver(hub: &ReleaseHub, prefix: &str, payload: &[u8]) {
     match std::str::from_utf8(payload) {
-        Ok(key) => {
-            if let Some(key) = key.strip_prefix(prefix) {
-                hub.notify(key);
+        Ok(message) => match message.strip_prefix(GRANT) {
+            Some(grant) => match parse_grant(grant) {
+                Some((token, claim, owner, key)) => {
+                    if let Some(key) = key.strip_prefix(prefix) {
+                        hub.grant(key, Grant::new(owner, token, claim));
+                    }
+                }
+                None => tracing::trace!("grant message not understood; ignored"),
+            },
+            None => {
+                if let Some(key) = message.strip_prefix(prefix) {
+                    hub.notify(key);
+                }
             }
-        }
+        },
         Err(_) => tracing::trace!("release message is not UTF-8; ignored"),
     }
+}
+
+/// How a grant's message begins (see `lua/queue.lua`): no lock key starts
+/// with NUL, which the driver refuses in keys.
+const GRANT: &str = "\0grant ";
+
+/// `<fencing token> <claim ms> <owner length>\n<owner><lock key>`.
+fn parse_grant(message: &str) -> Option<(u64, std::time::Duration, &str, &str)> {
+    let (head, rest) = message.split_once('\n')?;
+    let mut fields = head.split(' ');
+    let token = fields.next()?.parse().ok()?;
+    let claim = std::time::Duration::from_millis(fields.next()?.parse().ok()?);
+    let owner_len: usize = fields.next()?.parse().ok()?;
+    if fields.next().is_some() || !rest.is_char_boundary(owner_len.min(rest.len())) {
+        return None;
+    }
+    let (owner, key) = (rest.get(..owner_len)?, rest.get(owner_len..)?);
+    Some((token, claim, owner, key))
 }

@@ -12,6 +12,8 @@ pub const SINGLE_NODE: &[&str] = &[
     "~jobs:*",
     "~{*}:withlock-fence:jobs:*",
     "~{*}:withlock-kept:jobs:*",
+    "~{*}:withlock-queue:jobs:*",
+    "~{*}:withlock-waiters:jobs:*",
     "resetchannels",
     "&jobs:withlock:released",
     "-@all",
@@ -27,6 +29,15 @@ pub const SINGLE_NODE: &[&str] = &[
     "+publish",
     "+subscribe",
     "+unsubscribe",
+    "+pttl",
+    "+exists",
+    "+zrange",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+hget",
+    "+hset",
+    "+hdel",
 ];
 
 /// What a lock user behind Sentinel needs on the data nodes beyond

@@ -1,0 +1,17 @@
+-- Removes a waiter's place from the key's fair queue [F2], after
+-- fencing.lua and queue.lua; a grant made to the waiter and not taken up
+-- is handed on as a release would.
+--
+-- KEYS[1..4]  the lock key, its companion, queue and waiters
+-- ARGV[1]     the owner token
+-- ARGV[2]     the release channel
+-- ARGV[3]     the companion's idle period in milliseconds
+--
+-- Returns 1 when a grant was handed on, else 0.
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
+    hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], now_ms())
+    return 1
+end
+return 0

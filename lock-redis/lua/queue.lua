@@ -1,0 +1,67 @@
+-- The fair queue's steps as functions [F1-F3], for the scripts that
+-- follow this file (acquire_queued.lua, leave_queue.lua,
+-- release_batch.lua); fencing.lua's `acquire` comes before it. release.lua
+-- writes the same hand-on out inline (a function made at every run costs
+-- the server about 3,500 instructions, which the common release would
+-- pay); tests/fair.rs runs both.
+--
+-- A key's queue is two keys in the lock key's hash slot:
+--   queue    a sorted set: each waiting owner token, scored by its arrival
+--            (1 + the last score, so first come, first served)
+--   waiters  a hash: each waiting owner token -> "<alive until>:<claim>",
+--            the server time in milliseconds until which the place lives
+--            (renewed by each of the waiter's attempts, a ticket ttl
+--            ahead) and how long a grant to it lasts, in milliseconds
+-- Both expire a ticket ttl after the last attempt renewed a place: by
+-- then every place in them is dead.
+
+-- The server clock in milliseconds.
+local function now_ms()
+    local time = redis.call('TIME')
+    return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+
+-- The first live place of the queue, and its claim in milliseconds;
+-- dead places before it are dropped [F2].
+local function head_of(queue, waiters, now)
+    while true do
+        local first = redis.call('ZRANGE', queue, 0, 0)[1]
+        if not first then
+            return nil
+        end
+        local place = redis.call('HGET', waiters, first)
+        if place then
+            local alive, claim = string.match(place, '^(%d+):(%d+)$')
+            if alive and tonumber(alive) > now then
+                return first, claim
+            end
+        end
+        redis.call('ZREM', queue, first)
+        redis.call('HDEL', waiters, first)
+    end
+end
+
+-- Frees `lock` (the caller checked that its releasing owner holds it) and
+-- grants it to the queue's head [F1], for the head's claim deadline, with
+-- a new fencing token, or frees it when nobody live waits; announces
+-- either on `channel`: a grant as
+--   "\0grant <fencing token> <claim ms> <length of the owner>\n<owner><lock key>"
+-- (no lock key starts with NUL: the driver refuses keys holding one),
+-- a free key as the lock key alone, as before the queue.
+local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now)
+    local head, claim = head_of(queue, waiters, now)
+    redis.call('DEL', lock)
+    if head then
+        local token = acquire(lock, fence, head, claim, tonumber(claim) + tonumber(fence_idle))
+        if type(token) ~= 'table' then
+            redis.call('ZREM', queue, head)
+            redis.call('HDEL', waiters, head)
+            redis.call('PUBLISH', channel,
+                '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock)
+            return
+        end
+        -- A companion that holds no counter: the key stays free (acquire
+        -- deleted it again), and the head finds that out itself.
+    end
+    redis.call('PUBLISH', channel, lock)
+end
