@@ -231,12 +231,31 @@ pub enum AcquireOutcome {
         /// ([`LockBackend::try_acquire_queued`]) gives it only to the
         /// queue's head: the others wait for their grant.
         expires_in: Option<Duration>,
+        /// For a queued attempt ([`LockBackend::try_acquire_queued`]): the
+        /// last fencing token the store had drawn for the key when it
+        /// answered. A grant announced with a greater token was made after
+        /// this answer, so the waiter may start on it without a round trip
+        /// \[F1\]; an older one may have run out already. `None` when the
+        /// store does not say: the driver then takes a grant up with a
+        /// queued attempt. Always `None` for a plain attempt.
+        last_token: Option<u64>,
     },
 }
 
 impl AcquireOutcome {
     /// Busy, with no word on when the holder's lock expires.
-    pub const BUSY: Self = Self::Busy { expires_in: None };
+    pub const BUSY: Self = Self::Busy {
+        expires_in: None,
+        last_token: None,
+    };
+
+    /// Busy, the holder's lock expiring in `expires_in` if known.
+    pub fn busy(expires_in: Option<Duration>) -> Self {
+        Self::Busy {
+            expires_in,
+            last_token: None,
+        }
+    }
 
     /// Whether another owner holds the key.
     pub fn is_busy(&self) -> bool {

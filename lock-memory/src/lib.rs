@@ -168,9 +168,7 @@ impl MemoryBackend {
         };
         match held.entry_ref(key) {
             EntryRef::Occupied(slot) if slot.get().expires_at > now => {
-                return AcquireOutcome::Busy {
-                    expires_in: Some(slot.get().expires_at - now),
-                };
+                return AcquireOutcome::busy(Some(slot.get().expires_at - now));
             }
             // An expired holder's or a free entry is reused, key and all.
             EntryRef::Occupied(mut slot) => {
@@ -324,7 +322,10 @@ impl MemoryBackend {
             .get(key)
             .filter(|holder| head && holder.expires_at > now)
             .map(|holder| holder.expires_at - now);
-        AcquireOutcome::Busy { expires_in }
+        AcquireOutcome::Busy {
+            expires_in,
+            last_token: Some(state.fence),
+        }
     }
 
     fn drop_place(

@@ -19,8 +19,11 @@
 -- time) alive for the ticket ttl.
 --
 -- Returns the fencing token (>= 1) when the lock is the owner's; when
--- not, 0, or -2 - PTTL when the owner's place is the head and the holder's
--- expiry is known [A9]. (-1 is the batch's mark of a corrupt companion.)
+-- not, a pair: 0, or -2 - PTTL when the owner's place is the head and the
+-- holder's expiry is known [A9]; and the last fencing token drawn for the
+-- key (the companion's value, a decimal string), or -1 when the companion
+-- holds none: a grant announced with a greater token was made after this
+-- answer, so the waiter may start on it without a round trip.
 local lock, fence, queue, waiters = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, ticket_ttl = ARGV[1], tonumber(ARGV[4])
 local now = now_ms()
@@ -57,11 +60,15 @@ end
 if redis.call('PTTL', waiters) < ticket_ttl then
     redis.call('PEXPIRE', waiters, ticket_ttl)
 end
+local last = redis.pcall('GET', fence)
+if type(last) ~= 'string' or not string.find(last, '^[1-9]%d*$') then
+    last = -1
+end
 if (head and head ~= owner) or type(holder) ~= 'string' then
-    return 0
+    return {0, last}
 end
 local left = redis.call('PTTL', lock)
 if left >= 0 then
-    return -2 - left
+    return {-2 - left, last}
 end
-return 0
+return {0, last}

@@ -28,7 +28,9 @@ use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::redact;
-use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
+use crate::plumbing::scripts::{
+    acquire_outcome, extend_outcome, release_outcome, ttl_ms, unexpected,
+};
 use crate::plumbing::scripts::{
     Lua, ACQUIRE, ACQUIRE_BATCH, ACQUIRE_QUEUED, EXTEND, HOLD, LEAVE_QUEUE, RELEASE, RELEASE_BATCH,
     RELEASE_BATCH_UNQUEUED, RELEASE_UNQUEUED,
@@ -595,6 +597,30 @@ fn queue_keys(lock_key: &str) -> [String; 4] {
     ]
 }
 
+/// The queued acquisition's answer: the fencing token, or busy as the
+/// pair `[0 or -2 - PTTL, last token drawn or -1]`.
+fn queued_outcome(answer: &redis::Value) -> Result<AcquireOutcome, BackendError> {
+    let parse = |value: &redis::Value| {
+        i64::from_redis_value(value).map_err(|e| protocol_error("queued acquisition", &e))
+    };
+    match answer {
+        redis::Value::Array(pair) if pair.len() == 2 => {
+            let expires_in = match acquire_outcome(parse(&pair[0])?)? {
+                AcquireOutcome::Busy { expires_in, .. } => expires_in,
+                AcquireOutcome::Acquired { .. } => {
+                    return Err(unexpected("queued acquisition", parse(&pair[0])?))
+                }
+            };
+            let last_token = u64::try_from(parse(&pair[1])?).ok();
+            Ok(AcquireOutcome::Busy {
+                expires_in,
+                last_token,
+            })
+        }
+        token => acquire_outcome(parse(token)?),
+    }
+}
+
 fn corrupt_companion(fence: &str) -> BackendError {
     map_redis_error(redis::RedisError::from((
         redis::ErrorKind::ResponseError,
@@ -899,10 +925,10 @@ impl<S: Source> SingleNode<S> {
             &ttl_ms(terms.ticket_ttl),
             &ttl_ms(terms.claim),
         ];
-        let answer = self
+        let answer: redis::Value = self
             .run_script("queued acquisition", &ACQUIRE_QUEUED, &keys, &args)
             .await?;
-        acquire_outcome(answer)
+        queued_outcome(&answer)
     }
 
     /// The step of [`LockBackend::leave_queue`].

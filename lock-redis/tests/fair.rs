@@ -31,7 +31,7 @@ fn token_of(outcome: AcquireOutcome) -> u64 {
 
 fn expires_in(outcome: AcquireOutcome) -> Option<Duration> {
     match outcome {
-        AcquireOutcome::Busy { expires_in } => expires_in,
+        AcquireOutcome::Busy { expires_in, .. } => expires_in,
         AcquireOutcome::Acquired { .. } => panic!("acquired"),
     }
 }

@@ -458,6 +458,9 @@ impl Locker {
             // When the queued waiter's next attempt is due: its heartbeat
             // [F2], or the holder's expiry plus the margin [A9].
             let mut due: Option<Instant>;
+            // The send time of the last queued attempt answered busy: a
+            // grant came after it [F1].
+            let mut asked = None;
             // [F1] A key found held elsewhere by its last call here is
             // likely held now: this call watches it and queues from its
             // first attempt, sparing a round trip and an attempt.
@@ -478,6 +481,8 @@ impl Locker {
             }
             loop {
                 if inner.shutdown.is_started() {
+                    // [F2, S2] The call never settles; its place is left.
+                    drop(place.take());
                     return never().await;
                 }
                 let queued = queue.filter(|_| busy_before);
@@ -553,11 +558,15 @@ impl Locker {
                             }
                         }
                     }
-                    Ok(AcquireOutcome::Busy { expires_in }) => {
+                    Ok(AcquireOutcome::Busy {
+                        expires_in,
+                        last_token,
+                    }) => {
                         saw_busy = true;
                         pass.found_contended(true);
                         if let Some(terms) = queued {
                             due = Some(sent_at + terms.heartbeat());
+                            asked = last_token.map(|token| (sent_at, token));
                         }
                         // [A9] Never past the holder's expiry: an extra
                         // attempt then, without jitter.
@@ -630,7 +639,10 @@ impl Locker {
                     let wake_at = due.map_or(*next_slot, |due| due.min(*next_slot));
                     tokio::select! {
                         biased;
-                        () = inner.shutdown.started() => return never().await,
+                        () = inner.shutdown.started() => {
+                            drop(place.take());
+                            return never().await;
+                        }
                         () = released(&mut watch) => {
                             // [F1, F4] A grant: the grantee's waiter holds
                             // the lock from it, without a round trip; the
@@ -641,7 +653,18 @@ impl Locker {
                                     continue;
                                 };
                                 let woke = Stopwatch::start();
-                                if let Some((id, held)) = inner.take_grant(key, owner, &grant, config).await {
+                                // Only a grant made after the last busy
+                                // answer is taken without a round trip: an
+                                // older one (its message slow to come) may
+                                // have run out; an attempt takes it up if
+                                // it is still this waiter's.
+                                let taken = match asked {
+                                    Some((asked, floor)) if grant.fencing_token > floor => {
+                                        inner.take_grant(key, owner, &grant, asked, config).await
+                                    }
+                                    _ => None,
+                                };
+                                if let Some((id, held)) = taken {
                                     inner.registry.meter.notification_lag(key, &woke);
                                     pass.found_contended(true);
                                     if let Some((_, place)) = place.take() {

@@ -72,11 +72,15 @@ impl Drop for Place {
 /// leave that fails is sent again, with a backoff, until the place would
 /// have lapsed by itself (a ticket ttl from now), so that a connection cut
 /// under a waiter does not leave a dead place at the head for the rest of
-/// its ticket ttl. Without a runtime the place lapses.
+/// its ticket ttl. Without a runtime the place lapses. Shutdown waits for
+/// it as for an attempt in flight \[S1\]: a grant made to the place
+/// before the leave arrived is handed on by it, so nothing stays held.
 pub(crate) fn leave(registry: &Arc<Registry>, key: Arc<str>, owner: OwnerToken, terms: QueueTerms) {
     let lapses = Instant::now() + terms.ticket_ttl;
     let task_registry = Arc::clone(registry);
+    let in_flight = registry.attempt_started();
     let leave = async move {
+        let _in_flight = in_flight;
         let mut backoff = LEAVE_BACKOFF;
         loop {
             match task_registry.backend.leave_queue(&key, &owner).await {
@@ -96,22 +100,22 @@ pub(crate) fn leave(registry: &Arc<Registry>, key: Arc<str>, owner: OwnerToken, 
 }
 
 /// The clock reading from which a grant's validity counts, as an
-/// acquisition's counts from the moment it was sent: the release gave the
-/// key for the claim deadline before this process heard of it, so its
-/// validity ends a claim deadline after the grant was received at the
-/// latest (less the driver's usual drift allowance). The first extension,
-/// due at once, makes it the lock's own ttl. `None` when the clock cannot
-/// go back that far.
-pub(crate) fn grant_sent_at(grant: &Grant, ttl: Duration) -> Option<Instant> {
-    grant
-        .received_at
-        .checked_sub(ttl.saturating_sub(grant.claim))
+/// acquisition's counts from the moment it was sent: `asked`, the send time
+/// of the waiter's last attempt that the store answered busy. The grant
+/// came after the store answered that attempt, so its claim deadline ends
+/// after `asked` plus the claim, whenever the grant's message arrived (a
+/// process stopped past the claim deadline finds its grant run out, not
+/// fresh). The first extension, due at once, makes the lock its own ttl.
+/// `None` when the clock cannot go back that far.
+pub(crate) fn grant_sent_at(asked: Instant, grant: &Grant, ttl: Duration) -> Option<Instant> {
+    asked.checked_sub(ttl.saturating_sub(grant.claim))
 }
 
 impl Inner {
     /// Starts holding the lock `grant` gave `owner` \[F1\], with no round
-    /// trip: its validity counts from the grant (see [`grant_sent_at`]),
-    /// and its first extension, due at once, takes it up. `None` when the
+    /// trip: its validity counts from `asked`, the send time of the
+    /// waiter's last attempt answered busy (see [`grant_sent_at`]), and
+    /// its first extension, due at once, takes it up. `None` when the
     /// grant ran out before it could be used (it is then released, and
     /// the waiter tries again).
     pub(crate) async fn take_grant(
@@ -119,9 +123,10 @@ impl Inner {
         key: &Arc<str>,
         owner: &OwnerToken,
         grant: &Grant,
+        asked: Instant,
         config: &LockConfig,
     ) -> Option<(u64, Arc<HeldLock>)> {
-        let sent_at = grant_sent_at(grant, config.ttl)?;
+        let sent_at = grant_sent_at(asked, grant, config.ttl)?;
         let lease = Lease::new(Arc::clone(key), owner.clone(), grant.fencing_token);
         let in_flight = self.registry.attempt_started();
         self.hold(

@@ -196,9 +196,9 @@ pub(crate) fn acquire_outcome(answer: i64) -> Result<AcquireOutcome, BackendErro
         1.. => Ok(AcquireOutcome::Acquired {
             fencing_token: answer.unsigned_abs(),
         }),
-        ..=-2 => Ok(AcquireOutcome::Busy {
-            expires_in: Some(Duration::from_millis((-2 - answer).unsigned_abs())),
-        }),
+        ..=-2 => Ok(AcquireOutcome::busy(Some(Duration::from_millis(
+            (-2 - answer).unsigned_abs(),
+        )))),
         -1 => Err(unexpected("acquire", answer)),
     }
 }
