@@ -659,7 +659,9 @@ mod tests {
         // The fair queue by default [F1]; --no-queue opts out.
         assert!(config_of(&["--wait-forever"]).unwrap().fair_queue.is_some());
         assert_eq!(
-            config_of(&["--wait-forever", "--no-queue"]).unwrap().fair_queue,
+            config_of(&["--wait-forever", "--no-queue"])
+                .unwrap()
+                .fair_queue,
             None
         );
     }
