@@ -32,21 +32,27 @@ local holder = redis.pcall('GET', lock)
 if holder == owner then
     redis.call('PEXPIRE', lock, ARGV[2])
     redis.call('PEXPIRE', fence, ARGV[3])
-    redis.call('ZREM', queue, owner)
-    redis.call('HDEL', waiters, owner)
+    forget(queue, waiters, owner)
     local token = redis.call('GET', fence)
     if not token then
         return redis.error_reply('ERR the fencing companion ' .. fence .. ' of a granted lock is missing')
     end
     return token
 end
-if not holder and (not head or head == owner) then
+-- [F5] A gap left for clients outside the queue: the head waits it out.
+local gap = not holder and tonumber(redis.call('HGET', waiters, '!'))
+if gap and gap <= now then
+    redis.call('HDEL', waiters, '!')
+    gap = nil
+end
+if not holder and not gap and (not head or head == owner) then
     local token = acquire(lock, fence, owner, ARGV[2], ARGV[3])
     if type(token) == 'table' or (type(token) == 'number' and token <= 0) then
         return token
     end
-    redis.call('ZREM', queue, owner)
-    redis.call('HDEL', waiters, owner)
+    -- Taken free, not granted: the run of grants ends.
+    redis.call('HDEL', waiters, '')
+    forget(queue, waiters, owner)
     return token
 end
 if not redis.call('ZSCORE', queue, owner) then
@@ -64,7 +70,13 @@ local last = redis.pcall('GET', fence)
 if type(last) ~= 'string' or not string.find(last, '^[1-9]%d*$') then
     last = -1
 end
-if (head and head ~= owner) or type(holder) ~= 'string' then
+if head and head ~= owner then
+    return {0, last}
+end
+if gap then
+    return {-2 - (gap - now), last}
+end
+if type(holder) ~= 'string' then
     return {0, last}
 end
 local left = redis.call('PTTL', lock)

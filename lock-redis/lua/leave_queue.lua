@@ -8,8 +8,7 @@
 -- ARGV[3]     the companion's idle period in milliseconds
 --
 -- Returns 1 when a grant was handed on, else 0.
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
+forget(KEYS[3], KEYS[4], ARGV[1])
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
     hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], now_ms())
     return 1

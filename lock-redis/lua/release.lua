@@ -50,9 +50,24 @@ if redis.pcall('EXISTS', KEYS[3]) == 1 then
         if place then
             alive, claim = string.match(place, '^(%d+):(%d+)$')
         end
-        redis.call('ZREM', queue, head)
-        redis.call('HDEL', waiters, head)
-        if alive and tonumber(alive) > now then
+        if not (alive and tonumber(alive) > now) then
+            -- A dead place [F2].
+            redis.call('ZREM', queue, head)
+            redis.call('HDEL', waiters, head)
+        else
+            -- [F5] After grants in a row for 10 s, the key is left free
+            -- for 600 ms for clients outside the queue, nobody told (see
+            -- queue.lua); the head keeps its place.
+            local since = tonumber(redis.call('HGET', waiters, ''))
+            if not since then
+                redis.call('HSET', waiters, '', now)
+            elseif now - since >= 10000 then
+                redis.call('HDEL', waiters, '')
+                redis.call('HSET', waiters, '!', now + 600)
+                return 1
+            end
+            redis.call('ZREM', queue, head)
+            redis.call('HDEL', waiters, head)
             -- The grant: the head holds the lock for its claim deadline,
             -- with the next fencing token (acquire.lua's step).
             redis.call('SET', lock, head, 'PX', claim)
@@ -88,6 +103,8 @@ if redis.pcall('EXISTS', KEYS[3]) == 1 then
             return 1
         end
     end
+    -- Nobody live queued: the run of grants ends.
+    redis.call('HDEL', waiters, '')
 end
 redis.call('DEL', lock)
 redis.call('PUBLISH', ARGV[2], lock)
