@@ -28,8 +28,11 @@ use crate::layout::{
 ///   minimum hold \[H7\] shows [`LockInfo::minimum_hold_left`], its lease's
 ///   remaining ttl: the hold step moved its key onto a lease of the hold's
 ///   time left, so the key is on another lease than the one its name
-///   (`<name>/<lease hex>`) gives, which no acquisition does (etcd's own
-///   clients always put their key on the lease it names).
+///   (`<name>/<lease hex>`) gives, and that lease is revoked, which no
+///   acquisition does (etcd's own clients always put their key on the
+///   lease it names; a fair-queue waiter's key is on its ticket lease,
+///   and the lease its name gives lives until it holds, see the crate
+///   docs).
 /// - `force_release`: deletes the holder's key (if it has not changed
 ///   since it was read) and revokes its lease, only when its value is a
 ///   withlock owner token \[D2\]: a holder of another client is refused.
@@ -225,13 +228,25 @@ impl EtcdBackend {
             Ok(value) => OwnerToken::from_value(value),
             Err(_) => OwnerToken::from_value("<bytes>"),
         };
-        // [H7] Only the hold step puts a contender key on another lease
-        // than its name gives; a step that ever does so too (a queued
-        // waiter's key moved to its lock's lease) must record the hold
-        // otherwise.
-        let kept = kv.lease() != 0
-            && lease_of_key(&name, kv.key()).is_some_and(|named| named != kv.lease())
-            && OwnerToken::is_well_formed(owner.as_str());
+        // [H7] Only the hold step leaves a holder's key on another lease
+        // than its name gives, and that lease revoked. The other key on
+        // another lease is a fair-queue waiter's, on its ticket lease
+        // (the lease its name gives, its lock's, is unused until its
+        // grant is taken up): when it is the lowest, it holds by a grant
+        // not taken up yet, and the lease its name gives still lives.
+        let named = lease_of_key(&name, kv.key()).filter(|named| *named != kv.lease());
+        let kept = match named {
+            Some(named) if kv.lease() != 0 && OwnerToken::is_well_formed(owner.as_str()) => {
+                let named_left = self
+                    .call(Again::Yes, |mut client| async move {
+                        client.lease_time_to_live(named, None).await
+                    })
+                    .await?
+                    .ttl();
+                named_left < 0
+            }
+            _ => false,
+        };
         Ok(LockInfo::held(name, owner, ttl)
             .with_fencing_token(u64::try_from(kv.create_revision()).ok())
             .with_minimum_hold_left(ttl.filter(|_| kept)))

@@ -14,8 +14,8 @@ use etcd_client::{
 };
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Background, Capabilities,
-    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub, ReleaseOutcome,
-    ReleaseWatch, MAX_KEY_LEN,
+    ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, QueueTerms, ReleaseHub,
+    ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 
 use crate::config::EtcdConfig;
@@ -23,6 +23,7 @@ use crate::endpoints::{is_endpoint_failure, Again, Endpoints};
 use crate::error::{is_no_leader, is_refusal, protocol, SetupError};
 use crate::keepalive::KeepAlives;
 use crate::layout::{contender_key, contender_range, is_contender, record_key};
+use crate::queue::Places;
 use crate::watch::Watches;
 
 /// How many leases one [`LockBackend::extend_many`] call carries: its
@@ -42,12 +43,12 @@ pub const MAX_EXTEND_BATCH: usize = 128;
 /// first has ended.
 #[derive(Clone)]
 pub struct EtcdBackend {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     /// The endpoint in use, and the failover to the next.
-    endpoints: Arc<Endpoints>,
+    pub(crate) endpoints: Arc<Endpoints>,
     config: EtcdConfig,
     /// The shortest lease granted, in whole seconds.
     min_ttl_secs: i64,
@@ -62,9 +63,11 @@ struct Inner {
     /// admin: off once etcd refused it (a user with rights on the lock
     /// names alone \[D3\]).
     records: AtomicBool,
-    keep_alives: KeepAlives,
+    pub(crate) keep_alives: KeepAlives,
     hub: ReleaseHub,
     watches: Option<Watches>,
+    /// The places of this backend's waiters in the fair queue \[F1\].
+    pub(crate) places: Arc<Places>,
 }
 
 impl EtcdBackend {
@@ -206,9 +209,15 @@ impl EtcdBackend {
         let configured = config.min_ttl.map_or(1, whole_seconds);
         let min_ttl_secs = floor.max(configured).max(1);
         let hub = ReleaseHub::new();
-        let watches = config
-            .release_notifications
-            .then(|| Watches::start(&endpoints, hub.clone(), config.step_timeout));
+        let places = Arc::new(Places::default());
+        let watches = config.release_notifications.then(|| {
+            Watches::start(
+                &endpoints,
+                hub.clone(),
+                Arc::clone(&places),
+                config.step_timeout,
+            )
+        });
         Ok(Self {
             inner: Arc::new(Inner {
                 keep_alives: KeepAlives::start(&endpoints),
@@ -219,6 +228,7 @@ impl EtcdBackend {
                 records: AtomicBool::new(true),
                 hub,
                 watches,
+                places,
             }),
         })
     }
@@ -278,7 +288,7 @@ impl EtcdBackend {
         Duration::from_secs(u64::try_from(self.lease_secs(ttl)).unwrap_or(u64::MAX))
     }
 
-    fn lease_secs(&self, ttl: Duration) -> i64 {
+    pub(crate) fn lease_secs(&self, ttl: Duration) -> i64 {
         whole_seconds(ttl).max(self.inner.min_ttl_secs)
     }
 
@@ -302,7 +312,7 @@ impl EtcdBackend {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn remember(&self, name: &str, owner: &OwnerToken, lease: i64) {
+    pub(crate) fn remember(&self, name: &str, owner: &OwnerToken, lease: i64) {
         self.leases()
             .insert((name.to_owned(), owner.as_str().to_owned()), lease);
     }
@@ -312,15 +322,20 @@ impl EtcdBackend {
             .remove(&(name.to_owned(), owner.as_str().to_owned()));
     }
 
-    /// The lease of `owner`'s contender key on `name`: remembered, or
-    /// else read: the contender whose value is the owner token.
-    async fn lease_of(&self, name: &str, owner: &OwnerToken) -> Result<Option<i64>, BackendError> {
+    /// The contender key of `owner` on `name` and its lease: remembered
+    /// (the key is named after its lease), or else read: the contender
+    /// whose value is the owner token, wherever its lease.
+    async fn lease_of(
+        &self,
+        name: &str,
+        owner: &OwnerToken,
+    ) -> Result<Option<(String, i64)>, BackendError> {
         let remembered = self
             .leases()
             .get(&(name.to_owned(), owner.as_str().to_owned()))
             .copied();
-        if remembered.is_some() {
-            return Ok(remembered);
+        if let Some(lease) = remembered {
+            return Ok(Some((contender_key(name, lease), lease)));
         }
         let (start, end) = contender_range(name);
         let options = GetOptions::new().with_range(end);
@@ -334,13 +349,29 @@ impl EtcdBackend {
             .kvs()
             .iter()
             .find(|kv| is_contender(name, kv.key()) && kv.value() == owner.as_str().as_bytes())
-            .map(|kv| kv.lease()))
+            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.lease())))
+    }
+
+    /// Revokes `lease` from the background runtime, within the step
+    /// timeout; a failure leaves it to expire with its ttl.
+    pub(crate) fn revoke_in_background(&self, lease: i64) {
+        let endpoints = Arc::clone(&self.inner.endpoints);
+        let after = self.inner.config.step_timeout;
+        self.inner.endpoints.background().spawn(async move {
+            let revoked = tokio::time::timeout(after, revoke(&endpoints, lease)).await;
+            let error = match revoked {
+                Ok(Ok(())) => return,
+                Ok(Err(error)) => error,
+                Err(_) => BackendError::timeout("lease revoke", after),
+            };
+            tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "a lease was not revoked; it expires with its ttl");
+        });
     }
 
     /// Revokes a lease whose key is gone or never held the name; a lease
     /// already gone is fine, and any other failure only leaves it to
     /// expire with its ttl.
-    async fn revoke_quietly(&self, lease: i64) {
+    pub(crate) async fn revoke_quietly(&self, lease: i64) {
         if let Err(error) = revoke(&self.inner.endpoints, lease).await {
             tracing::debug!(error = %lock_core::ErrorChain(&error), lease, "lease revoke failed; it expires with its ttl");
         }
@@ -410,13 +441,16 @@ impl EtcdBackend {
     ///   made; `watch_ids`: those etcd confirmed; `watches_creating`:
     ///   those asked for and not confirmed yet; `watches_to_rebuild`:
     ///   names to watch again after the stream broke;
-    /// - `release_hub_keys`: names somebody waits on.
+    /// - `release_hub_keys`: names somebody waits on;
+    /// - `queue_places`: places of this backend's waiters in the fair
+    ///   queue.
     #[doc(hidden)]
     pub fn state_counts(&self) -> Vec<(&'static str, usize)> {
         let mut counts = vec![
             ("leases", self.leases().len()),
             ("keep_alives_waiting", self.inner.keep_alives.waiting()),
             ("release_hub_keys", self.inner.hub.watched_keys()),
+            ("queue_places", self.inner.places.len()),
         ];
         if let Some(watches) = &self.inner.watches {
             let w = watches.counts();
@@ -430,10 +464,86 @@ impl EtcdBackend {
         counts
     }
 
+    /// The attempt's transaction for the contender key on `lease`: puts
+    /// it only when no key stands in the name's contender range (then it
+    /// is the lowest: the lock is taken), else reads the contenders and
+    /// answers busy without a key. A range that holds only keys of other
+    /// forms (a longer name's `name/A…`) is left to `TryLock`'s
+    /// transaction ([`contend_put`](Self::contend_put)).
+    async fn contend(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        lease: i64,
+    ) -> Result<Contended, BackendError> {
+        let (start, end) = contender_range(key);
+        let mine = contender_key(key, lease);
+        let read = || {
+            TxnOp::get(
+                start.clone(),
+                Some(
+                    GetOptions::new()
+                        .with_range(end.clone())
+                        .with_keys_only()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend),
+                ),
+            )
+        };
+        let txn = Txn::new()
+            .when(vec![Compare::create_revision(
+                start.clone(),
+                CompareOp::Equal,
+                0,
+            )
+            .with_range(end.clone())])
+            .and_then(vec![
+                TxnOp::put(
+                    mine.clone(),
+                    owner.as_str(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+                read(),
+            ])
+            .or_else(vec![read()]);
+        // Sent again after a failover, the first sending's put (if it went
+        // through) makes the range not empty: the read then finds the own
+        // key, the lowest, as the first answer did.
+        let answer = self
+            .call(Again::Yes, |mut client| {
+                let txn = txn.clone();
+                async move { client.txn(txn).await }
+            })
+            .await?;
+        let Some(TxnOpResponse::Get(read)) = answer.op_responses().pop() else {
+            return Err(protocol("the acquisition's read answered no range"));
+        };
+        let mut contenders = read.kvs().iter().filter(|kv| is_contender(key, kv.key()));
+        let lowest = contenders.next();
+        let own = read.kvs().iter().find(|kv| kv.key() == mine.as_bytes());
+        match (lowest, own) {
+            (Some(lowest), Some(own)) if lowest.key() == own.key() => {
+                u64::try_from(own.create_revision())
+                    .map(Contended::Taken)
+                    .map_err(|_| protocol("a negative create revision"))
+            }
+            // Put behind another contender: cannot be, as the put needs an
+            // empty range; withdrawn all the same.
+            (_, Some(_)) => Ok(Contended::Busy { put: true }),
+            (Some(_), None) => Ok(Contended::Busy { put: false }),
+            (None, None) if answer.succeeded() => {
+                Err(protocol("the acquisition's read did not find its own key"))
+            }
+            (None, None) => Ok(match self.contend_put(key, owner, lease).await? {
+                Some(fencing_token) => Contended::Taken(fencing_token),
+                None => Contended::Busy { put: true },
+            }),
+        }
+    }
+
     /// `TryLock`'s transaction for the contender key on `lease`: puts it
     /// and reads the name's contenders; gives the fencing token when it
     /// is the lowest (the lock is taken), else `None` (busy).
-    async fn contend(
+    async fn contend_put(
         &self,
         key: &str,
         owner: &OwnerToken,
@@ -576,6 +686,16 @@ impl EtcdBackend {
     }
 }
 
+/// What an acquisition's transaction found.
+enum Contended {
+    /// The own key is the lowest contender: the lock is taken, with this
+    /// fencing token.
+    Taken(u64),
+    /// Another contender holds; `put` when the own key was put all the
+    /// same (and must be withdrawn).
+    Busy { put: bool },
+}
+
 /// Forgets the lease of `owner`'s lock on `name` when a step that ends the
 /// lock (release, minimum hold) ends, whatever its answer, or is dropped
 /// \[T2\].
@@ -593,7 +713,7 @@ impl Drop for ForgetOnDrop<'_> {
 
 /// Revokes `lease` on the endpoint in use; a lease already gone (revoked
 /// by a first of two sends, expired) is fine.
-async fn revoke(endpoints: &Endpoints, lease: i64) -> Result<(), BackendError> {
+pub(crate) async fn revoke(endpoints: &Endpoints, lease: i64) -> Result<(), BackendError> {
     endpoints
         .call(Again::Yes, |mut client| async move {
             match client.lease_revoke(lease).await {
@@ -692,16 +812,19 @@ impl LockBackend for EtcdBackend {
             .with_max_extend_batch(MAX_EXTEND_BATCH)
             .with_min_ttl(self.min_ttl())
             .with_ttl_granularity(Duration::from_secs(1))
+            // The queue's grants are announced by the watch.
+            .with_fair_queue(self.inner.watches.is_some())
     }
 
-    /// `TryLock`'s attempt: grants a lease of the ttl (whole seconds,
-    /// rounded up, at least [`min_ttl`](EtcdBackend::min_ttl)), then in one
-    /// transaction puts the contender key `<key>/<lease hex>` with the
-    /// owner token as its value on that lease and reads the name's
-    /// contenders. The lowest create revision holds: when it is this key,
-    /// the lock is taken and its create revision is the fencing token;
-    /// else the lease is revoked (which deletes the key) and the answer is
-    /// busy.
+    /// `TryLock`'s attempt, without the key it would withdraw: grants a
+    /// lease of the ttl (whole seconds, rounded up, at least
+    /// [`min_ttl`](EtcdBackend::min_ttl)), then in one transaction puts
+    /// the contender key `<key>/<lease hex>` with the owner token as its
+    /// value on that lease if no contender stands for the name, and reads
+    /// the name's contenders. The lowest create revision holds: when it is
+    /// this key, the lock is taken and its create revision is the fencing
+    /// token; else the answer is busy, no key was put, and the unused
+    /// lease is revoked from the background.
     async fn try_acquire(
         &self,
         key: &str,
@@ -725,13 +848,20 @@ impl LockBackend for EtcdBackend {
                 lease: Some(lease),
             };
             match self.contend(key, owner, lease).await {
-                Ok(Some(fencing_token)) => {
+                Ok(Contended::Taken(fencing_token)) => {
                     granted.keep();
                     self.remember(key, owner, lease);
                     Ok(AcquireOutcome::Acquired { fencing_token })
                 }
-                // Busy: withdraw, or the key would stand in line.
-                Ok(None) => {
+                // Busy without a key: its lease, unused, is revoked from
+                // the background.
+                Ok(Contended::Busy { put: false }) => {
+                    drop(granted);
+                    Ok(AcquireOutcome::BUSY)
+                }
+                // Busy with a key: withdraw, or the key would stand in
+                // line.
+                Ok(Contended::Busy { put: true }) => {
                     granted.withdraw().await?;
                     Ok(AcquireOutcome::BUSY)
                 }
@@ -767,14 +897,71 @@ impl LockBackend for EtcdBackend {
     /// it, else expired (the driver reports that taken too when the lock
     /// was still valid). The lease gets back the ttl it was granted with
     /// (an etcd lease's ttl cannot change); `ttl` is not used.
+    ///
+    /// The first extension of a lock granted by the fair queue \[F1\]
+    /// takes the grant up: the holder's key moves from its ticket lease
+    /// to the lease of the lock's ttl its name gives, keeping its create
+    /// revision (see the crate docs).
     async fn extend_many(
         &self,
         requests: &[ExtendRequest],
     ) -> Vec<Result<ExtendOutcome, BackendError>> {
-        match self.step("extend", self.extend_batch(requests)).await {
-            Ok(outcomes) => outcomes,
-            Err(error) => vec![Err(error); requests.len()],
+        let places: Vec<_> = if self.inner.places.is_empty() {
+            Vec::new()
+        } else {
+            requests
+                .iter()
+                .map(|r| {
+                    self.inner
+                        .places
+                        .get(r.lease.key(), r.lease.owner().as_str())
+                })
+                .collect()
+        };
+        if places.iter().all(Option::is_none) {
+            return match self.step("extend", self.extend_batch(requests)).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => vec![Err(error); requests.len()],
+            };
         }
+        // Grants taken up, each on its own; the rest in one batch.
+        let rest: Vec<ExtendRequest> = requests
+            .iter()
+            .zip(&places)
+            .filter(|(_, place)| place.is_none())
+            .map(|(request, _)| request.clone())
+            .collect();
+        let batch = async {
+            if rest.is_empty() {
+                return Vec::new();
+            }
+            match self.step("extend", self.extend_batch(&rest)).await {
+                Ok(outcomes) => outcomes,
+                Err(error) => vec![Err(error); rest.len()],
+            }
+        };
+        let grants = futures_util::future::join_all(
+            requests
+                .iter()
+                .zip(&places)
+                .filter_map(|(request, place)| place.map(|place| (request, place)))
+                .map(|(request, place)| {
+                    self.step("extend", self.take_up(&request.lease, request.ttl, place))
+                }),
+        );
+        let (batch, grants) = futures_util::future::join(batch, grants).await;
+        let (mut batch, mut grants) = (batch.into_iter(), grants.into_iter());
+        places
+            .iter()
+            .map(|place| {
+                let next = if place.is_some() {
+                    grants.next()
+                } else {
+                    batch.next()
+                };
+                next.unwrap_or_else(|| Err(protocol("no outcome for an extension")))
+            })
+            .collect()
     }
 
     fn failure_domain(&self, _key: &str) -> u64 {
@@ -785,7 +972,8 @@ impl LockBackend for EtcdBackend {
     /// A transaction deletes the contender key if it still holds the owner
     /// token on its lease (and records the fencing token for the admin's
     /// view of the free name, where the user may write it \[D3\]); then the
-    /// lease is revoked. Needs rights on the lock names only.
+    /// lease is revoked, from the background. Needs rights on the lock
+    /// names only.
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let (key, owner) = (lease.key(), lease.owner());
         // A retry after a failure reads the lease by value.
@@ -794,11 +982,13 @@ impl LockBackend for EtcdBackend {
             name: key,
             owner,
         };
+        if let Some(place) = self.inner.places.get(key, owner.as_str()) {
+            return self.step("release", self.release_place(lease, place)).await;
+        }
         self.step("release", async {
-            let Some(id) = self.lease_of(key, owner).await? else {
+            let Some((contender, id)) = self.lease_of(key, owner).await? else {
                 return Ok(ReleaseOutcome::NotHeld);
             };
-            let contender = contender_key(key, id);
             let compares = vec![
                 Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
                 Compare::lease(contender.clone(), CompareOp::Equal, id),
@@ -806,7 +996,10 @@ impl LockBackend for EtcdBackend {
             let answer = self
                 .delete_contender(key, compares, contender, lease.fencing_token())
                 .await?;
-            self.revoke_quietly(id).await;
+            // The key is gone (or was not this lease's): the lease serves
+            // nothing, and its revoke need not delay the answer (the next
+            // call of this node joins the queue sooner).
+            self.revoke_in_background(id);
             Ok(if answer.succeeded() {
                 ReleaseOutcome::Released
             } else {
@@ -833,8 +1026,11 @@ impl LockBackend for EtcdBackend {
             name: key,
             owner,
         };
+        if let Some(place) = self.inner.places.get(key, owner.as_str()) {
+            return self.step("hold", self.hold_place(lease, place, secs)).await;
+        }
         self.step("hold", async {
-            let Some(id) = self.lease_of(key, owner).await? else {
+            let Some((contender, id)) = self.lease_of(key, owner).await? else {
                 return Ok(ExtendOutcome::Expired);
             };
             let new = self
@@ -843,7 +1039,6 @@ impl LockBackend for EtcdBackend {
                 })
                 .await?
                 .id();
-            let contender = contender_key(key, id);
             let txn = Txn::new()
                 .when(vec![
                     Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
@@ -871,6 +1066,41 @@ impl LockBackend for EtcdBackend {
             Ok(ExtendOutcome::Extended)
         })
         .await
+    }
+
+    /// One attempt of a waiter in etcd's own queue \[F1–F3\]: the first
+    /// grants its ticket lease (the ticket ttl, whole seconds, at least the
+    /// floor) and the lease its key moves to when it holds, and puts its
+    /// contender key `<key>/<that lease's hex>` on the ticket lease, at
+    /// the queue's tail, where it stays while the waiter waits; later ones
+    /// keep the ticket lease alive and read the name's contenders. When
+    /// the key is the lowest contender, it moves to the lock's lease
+    /// (keeping its create revision, the fencing token) and the lock is
+    /// taken. Else busy, with the holder's lease's time left (one more
+    /// request) when this waiter is next. A waiter whose ticket lease ran
+    /// out (it stalled past its ticket ttl) joins again at the tail.
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        self.step(
+            "try_acquire_queued",
+            self.queued_attempt(key, owner, ttl, terms),
+        )
+        .await
+    }
+
+    /// Revokes the waiter's two leases, which deletes its contender key
+    /// (on either); a key it held by a grant not taken up goes with it,
+    /// and the next contender holds.
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        if self.inner.places.get(key, owner.as_str()).is_none() {
+            return Ok(());
+        }
+        self.step("leave_queue", self.leave(key, owner)).await
     }
 
     /// A watch on the name's contenders, on the backend's one watch

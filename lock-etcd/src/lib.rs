@@ -7,6 +7,7 @@ mod endpoints;
 mod error;
 mod keepalive;
 mod layout;
+mod queue;
 mod watch;
 
 pub use backend::{EtcdBackend, MAX_EXTEND_BATCH};

@@ -10,6 +10,19 @@
 //! contenders (read when the watch is made, followed on the watch) and
 //! wakes its waiters only when the lowest one goes.
 //!
+//! The next contender then holds, by etcd's rule \[F1\]: when it is a
+//! waiter of this backend's fair queue, the wake-up is a grant to it
+//! (`ReleaseHub::grant`, with its create revision as the fencing token and
+//! as long as its ticket lease surely lives), and its waiter starts at once
+//! without a round trip, while every other waiter of this backend waits
+//! on; when it is a contender of another backend or client, the grant
+//! names it, so no waiter here tries; only a name left without contenders
+//! wakes every waiter to try. The contenders' values (owner tokens) are
+//! followed for this, from the read that makes the watch and the watch's
+//! own events: no read per release. A grant to a waiter of this backend
+//! that is not taken up within its claim deadline is ended here \[F3\]:
+//! the place's leases are revoked, and the next contender holds.
+//!
 //! A task owns the stream. A watch is in place once etcd confirmed it,
 //! and `watch` returns only then, so no release after it is missed. When
 //! the stream breaks, every waiter is woken (it may have missed a
@@ -25,19 +38,21 @@
 //! 200 ms up to 5 s until a watch is confirmed, for as long as somebody
 //! waits on their name.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{EventType, GetOptions, WatchOptions, WatchRequestSender, WatchResponseStream};
-use lock_core::{BackendError, BackendErrorKind, ReleaseHub};
+use lock_core::{BackendError, BackendErrorKind, Grant, ReleaseHub};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::backend::revoke;
 use crate::endpoints::{Again, Endpoints};
 use crate::error::step_error;
 use crate::layout::{contender_range, is_contender};
+use crate::queue::{Expired, Places, MIN_GRANT_CLAIM};
 
 /// How often watches nobody waits on any more are cancelled.
 const SWEEP: Duration = Duration::from_secs(2);
@@ -80,6 +95,7 @@ impl Watches {
     pub(crate) fn start(
         endpoints: &Arc<Endpoints>,
         hub: ReleaseHub,
+        places: Arc<Places>,
         step_timeout: Duration,
     ) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
@@ -89,6 +105,7 @@ impl Watches {
             rebuild_pause: REBUILD_AFTER,
             endpoints: Arc::clone(endpoints),
             hub,
+            places,
             step_timeout,
             stream: None,
             trying: 0,
@@ -97,6 +114,7 @@ impl Watches {
             creating: VecDeque::new(),
             rebuild: Vec::new(),
             rebuild_at: None,
+            claims: Vec::new(),
         };
         endpoints.background().spawn(task.run(rx));
         Self { commands, counts }
@@ -134,8 +152,45 @@ struct Watched {
     id: Option<i64>,
     /// Callers waiting for the confirmation.
     waiting: Vec<Reply>,
-    /// The name's contender keys and their create revisions.
-    contenders: HashMap<Vec<u8>, i64>,
+    /// The name's contenders.
+    contenders: Line,
+}
+
+/// A name's contender keys, by key and by create revision, with their
+/// values.
+#[derive(Debug, Default)]
+struct Line {
+    revisions: HashMap<Vec<u8>, i64>,
+    /// Each contender's key and value, by create revision.
+    by_revision: BTreeMap<i64, (Vec<u8>, Vec<u8>)>,
+}
+
+impl Line {
+    /// A contender put, or moved (the same create revision).
+    fn put(&mut self, key: &[u8], revision: i64, value: &[u8]) {
+        if let Some(old) = self.revisions.insert(key.to_vec(), revision) {
+            if old != revision {
+                self.by_revision.remove(&old);
+            }
+        }
+        self.by_revision
+            .insert(revision, (key.to_vec(), value.to_vec()));
+    }
+
+    /// A contender deleted: its create revision, if it was known.
+    fn delete(&mut self, key: &[u8]) -> Option<i64> {
+        let revision = self.revisions.remove(key)?;
+        self.by_revision.remove(&revision);
+        Some(revision)
+    }
+
+    /// The lowest create revision, and its contender's value.
+    fn lowest(&self) -> Option<(i64, &[u8])> {
+        self.by_revision
+            .iter()
+            .next()
+            .map(|(revision, (_, value))| (*revision, value.as_slice()))
+    }
 }
 
 struct Stream {
@@ -151,6 +206,8 @@ struct Task {
     rebuild_pause: Duration,
     endpoints: Arc<Endpoints>,
     hub: ReleaseHub,
+    /// The places of this backend's waiters, to tell a grant to one.
+    places: Arc<Places>,
     step_timeout: Duration,
     stream: Option<Stream>,
     /// The pin the stream is being opened on.
@@ -164,6 +221,10 @@ struct Task {
     /// Names to watch again on a new stream.
     rebuild: Vec<Arc<str>>,
     rebuild_at: Option<Instant>,
+    /// \[F3\] The grants made to this backend's waiters and not known to
+    /// be taken up: when each claim deadline passes, with the place's
+    /// name, owner token and ticket lease.
+    claims: Vec<(Instant, Arc<str>, Box<str>, i64)>,
 }
 
 async fn next_message(
@@ -220,6 +281,7 @@ impl Task {
                     }
                 }
                 () = sleep_until(self.rebuild_at) => self.rebuild().await,
+                () = sleep_until(self.claims.iter().map(|c| c.0).min()) => self.claims_due(),
                 _ = sweep.tick() => self.sweep().await,
             }
         }
@@ -302,9 +364,10 @@ impl Task {
 
     /// Reads the name's contenders and asks for a watch from the revision
     /// after that read, so that nothing between the two is missed.
-    async fn make(&mut self, name: &str) -> Result<HashMap<Vec<u8>, i64>, BackendError> {
+    async fn make(&mut self, name: &str) -> Result<Line, BackendError> {
         let (start, end) = contender_range(name);
-        let read_options = GetOptions::new().with_range(end.clone()).with_keys_only();
+        // With values: the owner tokens of the grants.
+        let read_options = GetOptions::new().with_range(end.clone());
         let read = self
             .endpoints
             .call(Again::Yes, |mut client| {
@@ -322,12 +385,10 @@ impl Task {
             self.rebuild_at = Some(Instant::now());
         }
         let revision = read.header().map_or(0, |h| h.revision());
-        let contenders = read
-            .kvs()
-            .iter()
-            .filter(|kv| is_contender(name, kv.key()))
-            .map(|kv| (kv.key().to_vec(), kv.create_revision()))
-            .collect();
+        let mut contenders = Line::default();
+        for kv in read.kvs().iter().filter(|kv| is_contender(name, kv.key())) {
+            contenders.put(kv.key(), kv.create_revision(), kv.value());
+        }
         let options = WatchOptions::new()
             .with_range(end)
             .with_start_revision(revision + 1);
@@ -407,12 +468,11 @@ impl Task {
                 EventType::Put => {
                     watched
                         .contenders
-                        .entry(kv.key().to_vec())
-                        .or_insert(kv.create_revision());
+                        .put(kv.key(), kv.create_revision(), kv.value());
                 }
                 EventType::Delete => {
-                    let lowest = watched.contenders.values().min().copied();
-                    match watched.contenders.remove(kv.key()) {
+                    let lowest = watched.contenders.lowest().map(|(revision, _)| revision);
+                    match watched.contenders.delete(kv.key()) {
                         // The holder went: the next contender (or
                         // anyone) may take the name.
                         Some(revision) if Some(revision) == lowest => freed = true,
@@ -424,8 +484,45 @@ impl Task {
             }
         }
         if freed {
-            self.hub.notify(&name);
+            let next = watched.contenders.lowest();
+            if let Some(claim) = announce(&self.hub, &self.places, &name, next) {
+                self.claims.push(claim);
+            }
         }
+    }
+
+    /// \[F3\] Ends the grants to this backend's waiters whose claim
+    /// deadline passed and that were not taken up: their places are
+    /// removed and their leases revoked (which deletes their keys), and
+    /// the next contender holds. A place a step is taking up is looked at
+    /// again a claim deadline later.
+    fn claims_due(&mut self) {
+        let now = Instant::now();
+        let mut later = Vec::new();
+        self.claims.retain(|(due, name, owner, ticket)| {
+            if *due > now {
+                return true;
+            }
+            match self.places.expire_grant(name, owner, *ticket) {
+                Expired::Lost(place) => {
+                    tracing::debug!(name = %name, "a grant was not taken up within its claim deadline; the next waiter holds");
+                    for lease in [place.ticket, place.hold] {
+                        let endpoints = Arc::clone(&self.endpoints);
+                        let after = self.step_timeout;
+                        self.endpoints.background().spawn(async move {
+                            let _ = tokio::time::timeout(after, revoke(&endpoints, lease)).await;
+                        });
+                    }
+                }
+                Expired::Taking => {
+                    let again = now + self.places.grant(name, owner).map_or(SWEEP, |g| g.1);
+                    later.push((again, Arc::clone(name), owner.clone(), *ticket));
+                }
+                Expired::Gone => {}
+            }
+            false
+        });
+        self.claims.extend(later);
     }
 
     /// The stream's endpoint failed: the next one is pinned.
@@ -470,6 +567,52 @@ impl Task {
                     return;
                 }
             }
+        }
+    }
+}
+
+/// Tells the waiters of `name` that its holder's key went, and `next`
+/// (its create revision and value), if any, holds now \[F1, F4\]; gives
+/// the claim deadline to watch of a grant to a waiter of this backend.
+fn announce(
+    hub: &ReleaseHub,
+    places: &Places,
+    name: &Arc<str>,
+    next: Option<(i64, &[u8])>,
+) -> Option<(Instant, Arc<str>, Box<str>, i64)> {
+    let Some((revision, value)) = next else {
+        // Nobody stands for the name: anyone may take it.
+        hub.notify(name);
+        return None;
+    };
+    let owner = std::str::from_utf8(value).unwrap_or_default();
+    let fencing_token = u64::try_from(revision).unwrap_or_default();
+    match places.grant(name, owner) {
+        // One of this backend's waiters: its waiter starts on the grant,
+        // which lasts its claim deadline after the waiter's last attempt
+        // (and no longer than its ticket lease lives after it); a grant
+        // not taken up by then is ended [F3].
+        Some((ticket, claim, left)) if left >= MIN_GRANT_CLAIM => {
+            hub.grant(name, Grant::new(owner, fencing_token, claim));
+            Some((
+                Instant::now() + claim,
+                Arc::clone(name),
+                owner.into(),
+                ticket,
+            ))
+        }
+        // Its ticket lease may run out before the grant could be used:
+        // its waiter's attempt renews the lease and takes the lock.
+        Some(_) => {
+            hub.notify(name);
+            None
+        }
+        // Another backend's contender (or etcd's own lock's) holds: the
+        // grant names it, so no waiter here tries, while a holder's own
+        // watch still wakes \[L5\].
+        None => {
+            hub.grant(name, Grant::new(owner, fencing_token, Duration::ZERO));
+            None
         }
     }
 }
