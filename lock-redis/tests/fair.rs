@@ -147,7 +147,10 @@ async fn f1_a_release_grants_the_key_to_the_queues_head() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    assert!(pttl <= i64::try_from(TERMS.ticket_ttl.as_millis()).unwrap(), "{pttl}");
+    assert!(
+        pttl <= i64::try_from(TERMS.ticket_ttl.as_millis()).unwrap(),
+        "{pttl}"
+    );
 }
 
 /// \[F2\] A waiter that leaves hands a grant it did not take up on to the
