@@ -63,6 +63,7 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
     let [acquire, _, _, release] = backend.statements();
     let (acquire, release) = (acquire.to_owned(), release.to_owned());
     let channel = backend.config().channel.clone();
+    let grant_channel = backend.config().grant_channel();
     let pool = backend.pool().clone();
     let key = format!("bench:{:016x}", rand::random::<u64>());
     let ttl_us = 30_000_000_i64;
@@ -94,6 +95,7 @@ async fn p5(backend: &Arc<TestBackend>) -> Result<(), Box<dyn std::error::Error>
                 .bind(&key)
                 .bind(owner.as_str())
                 .bind(&channel)
+                .bind(&grant_channel)
                 .fetch_optional(&pool)
                 .await?;
             assert!(released.is_some());

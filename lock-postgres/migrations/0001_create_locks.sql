@@ -1,9 +1,12 @@
 -- The lock table: one row per key, with Ruby Locker's columns.
 --
--- {{table}} is replaced by the schema-qualified table name, each part quoted
--- as an identifier. The backend runs this file inside a transaction that
--- holds a transaction-scoped advisory lock, so two nodes migrating at once
--- do not race. Idempotent: running it again changes nothing.
+-- The table placeholder (`table` in double braces) is replaced by the
+-- schema-qualified table name, each part quoted as an identifier. (No
+-- comment holds a placeholder: the name put in its place may hold a line
+-- break, which would end the comment.) The backend runs this file inside a
+-- transaction that holds a transaction-scoped advisory lock, so two nodes
+-- migrating at once do not race. Idempotent: running it again changes
+-- nothing.
 --
 -- Times are `timestamp without time zone` in UTC, as Ruby Locker writes them
 -- (`clock_timestamp() at time zone 'UTC'`), so both can share the table.

@@ -2,24 +2,27 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lock_core::background::Making;
 use lock_core::{
     async_trait, batch_results, AcquireOutcome, BackendError, BackendErrorKind, Background,
-    Capabilities, ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseHub,
-    ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    Capabilities, ExtendOutcome, ExtendRequest, Hold, Lease, LockBackend, OwnerToken, QueueTerms,
+    ReleaseHub, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
 };
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Postgres, Row};
 use tokio::sync::OnceCell;
 
-use crate::config::PostgresConfig;
-use crate::error::{checkout_error, step_error, step_timeout, SetupError};
+use crate::config::{PostgresConfig, QueueNames};
+use crate::error::{checkout_error, sqlstate, step_error, step_timeout, SetupError};
 use crate::listener::Listener;
-use crate::sql::{Statements, EXPIRED, EXTENDED, MIGRATIONS, SEQUENCE_TYPE, TAKEN};
+use crate::sql::{
+    render_migration, Statements, EXPIRED, EXTENDED, MIGRATIONS, SEQUENCE_TYPE, TAKEN,
+};
 
 /// How many leases one [`LockBackend::extend_many`] call carries: one
 /// statement with three arrays of this length.
@@ -45,7 +48,14 @@ struct Inner {
     pool: PgPool,
     config: PostgresConfig,
     table: String,
+    /// The fair queue's objects beside the table, and its grant channel.
+    queue: QueueNames,
     sql: Statements,
+    /// Set once a release found the queue's table, function or rights
+    /// missing \[F6\]: releases then go without the queue (they free the
+    /// key and announce it, as before the queue), until
+    /// [`PostgresBackend::migrate`] succeeds on this backend.
+    queue_release_refused: AtomicBool,
     hub: ReleaseHub,
     listener: Option<Listener>,
     /// Where the listener runs and the steps make their connections.
@@ -95,12 +105,14 @@ impl PostgresBackend {
     ) -> Result<Self, SetupError> {
         config.validate()?;
         let table = config.qualified_table()?;
-        let sql = Statements::new(&table, config.release_notifications);
+        let queue = config.queue_names()?;
+        let sql = Statements::new(&table, &queue, config.release_notifications);
         let hub = ReleaseHub::new();
         let listener = config.release_notifications.then(|| {
             Listener::new(
                 &pool,
                 &config.channel,
+                &queue.grant_channel,
                 hub.clone(),
                 config.step_timeout,
                 background.clone(),
@@ -111,7 +123,9 @@ impl PostgresBackend {
                 pool,
                 config,
                 table,
+                queue,
                 sql,
+                queue_release_refused: AtomicBool::new(false),
                 hub,
                 listener,
                 background,
@@ -224,19 +238,24 @@ impl PostgresBackend {
     /// The SQL text of the four steps (acquire, extend, the minimum hold,
     /// release), for review: they read the time from the database only and
     /// bind only the key, the owner token, a duration in microseconds and
-    /// the channel.
+    /// the channels. (The fair queue's steps call the functions that
+    /// `migrations/0002_create_waiters.sql` creates.)
     pub fn statements(&self) -> [&str; 4] {
         self.inner.sql.all()
     }
 
-    /// Creates the lock table if it does not exist, running each file of
-    /// `migrations/` as one transaction. A transaction-scoped advisory lock
-    /// on the table name keeps two nodes from migrating at once. The schema
-    /// must exist. Idempotent: run it at every start if you like.
+    /// Creates the lock table, and the fair queue's waiters table and
+    /// functions beside it (see [`PostgresConfig::waiters_table`]), where
+    /// they do not exist, running each file of `migrations/` as one
+    /// transaction. A transaction-scoped advisory lock on the table name
+    /// keeps two nodes from migrating at once. The schema must exist.
+    /// Idempotent: run it at every start if you like.
     ///
     /// An existing table is left as it is. One whose `sequence` column is
     /// narrower than `bigint` is refused at the first acquisition, with
-    /// [`SetupError::NarrowSequence`], before anything is locked.
+    /// [`SetupError::NarrowSequence`], before anything is locked. A
+    /// backend that found the queue missing \[F6\] uses it again once
+    /// this succeeds.
     ///
     /// # Errors
     ///
@@ -255,7 +274,7 @@ impl PostgresBackend {
             let script = format!(
                 "SELECT pg_advisory_xact_lock({}); {}",
                 migration_lock_key(&self.inner.table),
-                text.replace("{{table}}", &self.inner.table)
+                render_migration(text, &self.inner.table, &self.inner.queue)
             );
             self.in_background(sqlx::raw_sql(&script).execute(&self.inner.pool))
                 .await
@@ -264,6 +283,9 @@ impl PostgresBackend {
                     source,
                 })?;
         }
+        self.inner
+            .queue_release_refused
+            .store(false, Ordering::Relaxed);
         Ok(())
     }
 
@@ -365,7 +387,74 @@ fn protocol(message: impl Into<String>) -> BackendError {
     BackendError::message(BackendErrorKind::Protocol, message)
 }
 
+/// The answer of an acquisition statement (the lock step's or the queue's):
+/// a fencing token when taken, else busy, with the holder's time left when
+/// the statement gave it \[A9\].
+fn acquire_outcome(
+    row: Option<(Option<i64>, Option<i64>)>,
+) -> Result<AcquireOutcome, BackendError> {
+    match row {
+        Some((Some(sequence), _)) => u64::try_from(sequence)
+            .map(|fencing_token| AcquireOutcome::Acquired { fencing_token })
+            .map_err(|_| protocol(format!("negative sequence {sequence} for the key"))),
+        Some((None, expires_us)) => Ok(AcquireOutcome::busy(micros_left(expires_us))),
+        None => Ok(AcquireOutcome::BUSY),
+    }
+}
+
+/// A time left in µs, as the statements give it.
+fn micros_left(us: Option<i64>) -> Option<Duration> {
+    us.and_then(|us| u64::try_from(us).ok())
+        .map(Duration::from_micros)
+}
+
+/// Whether the queue's release failed for want of the queue's table,
+/// function or rights \[F6\]: undefined table (42P01), undefined function
+/// (42883), insufficient privilege (42501). The statement failed whole,
+/// so nothing was released.
+fn queue_missing(error: &BackendError) -> bool {
+    sqlstate(error).is_some_and(|code| matches!(code.as_str(), "42P01" | "42883" | "42501"))
+}
+
 impl PostgresBackend {
+    /// One release statement, `sql`; `queue`: the queue's, which binds the
+    /// grant channel too.
+    async fn release_with(
+        &self,
+        sql: &str,
+        lease: &Lease,
+        queue: bool,
+    ) -> Result<ReleaseOutcome, BackendError> {
+        let mut query = sqlx::query(sql)
+            .bind(lease.key())
+            .bind(lease.owner().as_str());
+        if self.inner.config.release_notifications {
+            query = query.bind(&self.inner.config.channel);
+        }
+        if queue {
+            query = query.bind(&self.inner.queue.grant_channel);
+        }
+        let row = self
+            .step("release", |mut conn| async move {
+                query.fetch_optional(&mut *conn).await
+            })
+            .await?;
+        // A row whose locked_by was still ours but whose time had run out
+        // is cleared too, yet counts as not held: the lease had ended.
+        let held = match row {
+            None => false,
+            Some(row) => row
+                .try_get::<Option<bool>, _>(0)
+                .map_err(step_error)?
+                .unwrap_or(false),
+        };
+        Ok(if held {
+            ReleaseOutcome::Released
+        } else {
+            ReleaseOutcome::NotHeld
+        })
+    }
+
     /// The extensions of [`LockBackend::extend_many`] in one statement.
     async fn extend_statement(
         &self,
@@ -456,11 +545,16 @@ impl LockBackend for PostgresBackend {
             .with_release_notifications(self.inner.config.release_notifications)
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(MAX_EXTEND_BATCH)
+            // The grants reach their waiters by NOTIFY: the driver queues
+            // only when both are on.
+            .with_fair_queue(self.inner.config.release_notifications)
     }
 
     /// One statement: creates the row or takes it over if free or expired,
     /// with `sequence = max(sequence + 1, database clock in µs)` as the
     /// fencing token, so tokens keep increasing when the row was deleted.
+    /// Busy, it says how long the holder has left (`locked_until - now`,
+    /// by the database clock) \[A9\], read in the same statement.
     /// The first call of a backend checks first that `sequence` is
     /// `bigint` ([`SetupError::NarrowSequence`], nothing taken). Fails
     /// with kind [`Unavailable`](BackendErrorKind::Unavailable) when no
@@ -472,9 +566,9 @@ impl LockBackend for PostgresBackend {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         self.check_sequence_column().await?;
-        let sequence = self
+        let row = self
             .step("try_acquire", |mut conn| async move {
-                sqlx::query_scalar::<_, i64>(&self.inner.sql.acquire)
+                sqlx::query_as::<_, (Option<i64>, Option<i64>)>(&self.inner.sql.acquire)
                     .bind(key)
                     .bind(owner.as_str())
                     .bind(micros(ttl))
@@ -482,12 +576,7 @@ impl LockBackend for PostgresBackend {
                     .await
             })
             .await?;
-        match sequence {
-            None => Ok(AcquireOutcome::BUSY),
-            Some(sequence) => u64::try_from(sequence)
-                .map(|fencing_token| AcquireOutcome::Acquired { fencing_token })
-                .map_err(|_| protocol(format!("negative sequence {sequence} for the key"))),
-        }
+        acquire_outcome(row)
     }
 
     async fn extend(&self, lease: &Lease, ttl: Duration) -> Result<ExtendOutcome, BackendError> {
@@ -519,32 +608,37 @@ impl LockBackend for PostgresBackend {
         0
     }
 
+    /// With notifications on, one statement that releases as before when
+    /// the key has no live place in its queue, and grants the key to the
+    /// queue's head otherwise \[F1\]. A store without the queue's table,
+    /// function or rights (an upgrade without `migrate`, a role without
+    /// rights on the waiters table) fails that statement whole: the
+    /// release then goes without the queue, now and from then on (until
+    /// `migrate` succeeds), as before the queue \[F6\].
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
-        let mut query = sqlx::query(&self.inner.sql.release)
-            .bind(lease.key())
-            .bind(lease.owner().as_str());
-        if self.inner.config.release_notifications {
-            query = query.bind(&self.inner.config.channel);
+        let inner = &self.inner;
+        if inner.config.release_notifications
+            && !inner.queue_release_refused.load(Ordering::Relaxed)
+        {
+            match self.release_with(&inner.sql.release, lease, true).await {
+                Err(error) if queue_missing(&error) => {
+                    if !inner.queue_release_refused.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            table = %inner.table,
+                            waiters = %inner.queue.waiters,
+                            error = %lock_core::ErrorChain(&error),
+                            "the store refused the fair queue's release; releases of this backend \
+                             grant nothing from now on (run the backend's migrate, or give the lock \
+                             user SELECT, INSERT, UPDATE and DELETE on the waiters table; see the \
+                             lock-postgres README)"
+                        );
+                    }
+                }
+                answer => return answer,
+            }
         }
-        let row = self
-            .step("release", |mut conn| async move {
-                query.fetch_optional(&mut *conn).await
-            })
-            .await?;
-        // A row whose locked_by was still ours but whose time had run out
-        // is cleared too, yet counts as not held: the lease had ended.
-        let held = match row {
-            None => false,
-            Some(row) => row
-                .try_get::<Option<bool>, _>(0)
-                .map_err(step_error)?
-                .unwrap_or(false),
-        };
-        Ok(if held {
-            ReleaseOutcome::Released
-        } else {
-            ReleaseOutcome::NotHeld
-        })
+        self.release_with(&inner.sql.release_plain, lease, false)
+            .await
     }
 
     /// Sets `locked_until` to `locked_at` plus the minimum hold: the row's
@@ -587,18 +681,73 @@ impl LockBackend for PostgresBackend {
         listener.ensure_listening().await?;
         Ok(watch)
     }
+
+    /// One call of the queue's function `<table>_queue_v1` (see the
+    /// migration `0002_create_waiters.sql`): one autocommit statement, one
+    /// round trip. It locks the key's row (made, free, if missing) so that
+    /// the queue's steps on one key run one after the other, then takes
+    /// up a grant, takes the free row when no live place is ahead (with
+    /// the fencing token rule of `try_acquire`), or keeps the waiter's
+    /// place (its ticket kept, its life renewed for the ticket ttl) and
+    /// answers busy, with the holder's time left to the queue's head only
+    /// and the last fencing token drawn for the key (the row's
+    /// `sequence`: a grant announced with a greater one came after).
+    /// A store without the queue's table, function or rights fails with
+    /// kind [`Setup`](BackendErrorKind::Setup), in the database's words
+    /// \[F6\]; the driver then waits unqueued.
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        self.check_sequence_column().await?;
+        let row = self
+            .step("try_acquire_queued", |mut conn| async move {
+                sqlx::query_as::<_, (Option<i64>, Option<i64>, Option<i64>)>(
+                    &self.inner.sql.queue_step,
+                )
+                .bind(key)
+                .bind(owner.as_str())
+                .bind(micros(ttl))
+                .bind(micros(terms.ticket_ttl))
+                .bind(micros(terms.claim))
+                .fetch_optional(&mut *conn)
+                .await
+            })
+            .await?;
+        match row {
+            Some((None, expires_us, Some(last))) => Ok(AcquireOutcome::Busy {
+                expires_in: micros_left(expires_us),
+                last_token: u64::try_from(last).ok(),
+            }),
+            row => acquire_outcome(row.map(|(token, expires_us, _)| (token, expires_us))),
+        }
+    }
+
+    /// One call of the queue's function `<table>_leave_v1`: removes the
+    /// place; a grant to `owner` not taken up is handed on as a release
+    /// would; a free key whose queue still has a live place is announced.
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        let inner = &self.inner;
+        self.step("leave_queue", |mut conn| async move {
+            sqlx::query(&inner.sql.leave)
+                .bind(key)
+                .bind(owner.as_str())
+                .bind(&inner.config.channel)
+                .bind(&inner.queue.grant_channel)
+                .execute(&mut *conn)
+                .await
+        })
+        .await?;
+        Ok(())
+    }
 }
 
 /// Whether `error` is the table's refusal of a row's data (SQLSTATE class
 /// 22, a data exception such as a value too long for its column, or 23, an
 /// integrity constraint): the statement failed whole, nothing was applied.
 fn refused_row(error: &BackendError) -> bool {
-    error
-        .inner()
-        .downcast_ref::<sqlx::Error>()
-        .and_then(|e| match e {
-            sqlx::Error::Database(db) => db.code(),
-            _ => None,
-        })
-        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
+    sqlstate(error).is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
 }

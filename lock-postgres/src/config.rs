@@ -145,6 +145,118 @@ impl PostgresConfig {
     }
 }
 
+/// The names of the fair queue's objects beside a lock table \[F1\]
+/// (see [`PostgresConfig::waiters_table`]), each quoted and
+/// schema-qualified, and the channel of its grants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct QueueNames {
+    /// The waiters table.
+    pub(crate) waiters: String,
+    /// The function of one queued attempt.
+    pub(crate) queue_step: String,
+    /// The function of a release that grants the key to the queue's head.
+    pub(crate) release: String,
+    /// The function of a waiter leaving the queue.
+    pub(crate) leave: String,
+    /// The `NOTIFY` channel of grants (not quoted: a channel name).
+    pub(crate) grant_channel: String,
+}
+
+/// The suffix of the waiters table's name.
+const WAITERS_SUFFIX: &str = "_waiters";
+/// The suffix of the grant channel's name.
+const GRANT_SUFFIX: &str = "_grant";
+/// The suffixes of the queue's functions. The `_v1` is their version: a
+/// later crate that changes a function's body gives it a new name, so
+/// nodes of both versions can share the table during a rolling upgrade.
+const QUEUE_STEP_SUFFIX: &str = "_queue_v1";
+const RELEASE_SUFFIX: &str = "_release_v1";
+const LEAVE_SUFFIX: &str = "_leave_v1";
+
+/// `name` followed by `suffix`, as one identifier of at most
+/// [`MAX_IDENTIFIER_LEN`] bytes: when the two are longer, `name` is cut
+/// (at a character boundary) and an 8-digit hash of the whole of it goes
+/// before the suffix, so that two long names that share a beginning still
+/// give two names.
+pub(crate) fn derived_name(name: &str, suffix: &str) -> String {
+    if name.len() + suffix.len() <= MAX_IDENTIFIER_LEN {
+        return format!("{name}{suffix}");
+    }
+    let hash = name.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    // `_` and 8 hex digits.
+    let mut cut = MAX_IDENTIFIER_LEN - suffix.len() - 9;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}_{hash:08x}{suffix}", &name[..cut])
+}
+
+impl PostgresConfig {
+    /// The name of the fair queue's waiters table \[F1\], in the lock
+    /// table's schema: the table's name followed by `_waiters` (a name
+    /// longer than 55 bytes is cut and followed by a hash of the whole
+    /// name, so that the result fits in 63 bytes). [`migrate`] creates it
+    /// beside the lock table, with the queue's three functions
+    /// (`<table>_queue_v1`, `<table>_release_v1`, `<table>_leave_v1`,
+    /// named by the same rule).
+    ///
+    /// ```
+    /// use lock_postgres::PostgresConfig;
+    ///
+    /// assert_eq!(PostgresConfig::default().waiters_table(), "locks_waiters");
+    /// assert_eq!(
+    ///     PostgresConfig::default().schema("jobs").qualified_waiters_table().unwrap(),
+    ///     r#""jobs"."locks_waiters""#
+    /// );
+    /// ```
+    ///
+    /// [`migrate`]: crate::PostgresBackend::migrate
+    pub fn waiters_table(&self) -> String {
+        derived_name(&self.table, WAITERS_SUFFIX)
+    }
+
+    /// [`waiters_table`](Self::waiters_table), schema-qualified and quoted
+    /// as the statements use it.
+    ///
+    /// # Errors
+    ///
+    /// [`SetupError::InvalidConfig`] for an empty or too long name.
+    pub fn qualified_waiters_table(&self) -> Result<String, SetupError> {
+        Ok(self.queue_names()?.waiters)
+    }
+
+    /// The `NOTIFY` channel of the fair queue's grants: the
+    /// [`channel`](Self::channel) followed by `_grant` (by the rule of
+    /// [`waiters_table`](Self::waiters_table) when that is too long). A
+    /// grant cannot share the release channel: a payload that names a
+    /// grant could be a key as well, since keys may hold any character.
+    pub fn grant_channel(&self) -> String {
+        derived_name(&self.channel, GRANT_SUFFIX)
+    }
+
+    /// Every name of the fair queue's objects, quoted and qualified.
+    pub(crate) fn queue_names(&self) -> Result<QueueNames, SetupError> {
+        check_identifier("schema", &self.schema)?;
+        check_identifier("table", &self.table)?;
+        let schema = quote_identifier(&self.schema);
+        let qualified = |suffix: &str| {
+            format!(
+                "{schema}.{}",
+                quote_identifier(&derived_name(&self.table, suffix))
+            )
+        };
+        Ok(QueueNames {
+            waiters: qualified(WAITERS_SUFFIX),
+            queue_step: qualified(QUEUE_STEP_SUFFIX),
+            release: qualified(RELEASE_SUFFIX),
+            leave: qualified(LEAVE_SUFFIX),
+            grant_channel: self.grant_channel(),
+        })
+    }
+}
+
 /// Refuses names PostgreSQL would reject or silently truncate.
 fn check_identifier(field: &'static str, name: &str) -> Result<(), SetupError> {
     let reason = if name.is_empty() {
@@ -198,5 +310,32 @@ mod tests {
             .table("x".repeat(63))
             .validate()
             .unwrap();
+    }
+
+    #[test]
+    fn the_queue_names_fit_in_an_identifier_and_stay_apart() {
+        let short = PostgresConfig::default().table("job_locks");
+        assert_eq!(short.waiters_table(), "job_locks_waiters");
+        assert_eq!(short.grant_channel(), "withlock_release_grant");
+        let names = short.queue_names().unwrap();
+        assert_eq!(names.queue_step, r#""public"."job_locks_queue_v1""#);
+        assert_eq!(names.release, r#""public"."job_locks_release_v1""#);
+        assert_eq!(names.leave, r#""public"."job_locks_leave_v1""#);
+        // Exactly 63 bytes still fits with the suffix cut in.
+        let fits = "t".repeat(MAX_IDENTIFIER_LEN - WAITERS_SUFFIX.len());
+        assert_eq!(
+            derived_name(&fits, WAITERS_SUFFIX),
+            format!("{fits}_waiters")
+        );
+        // Longer: cut, hashed, and at most 63 bytes, even with multibyte
+        // characters at the cut; two names with one beginning differ.
+        let long_a = format!("{}a", "é".repeat(31));
+        let long_b = format!("{}b", "é".repeat(31));
+        for suffix in [WAITERS_SUFFIX, GRANT_SUFFIX, RELEASE_SUFFIX] {
+            let (a, b) = (derived_name(&long_a, suffix), derived_name(&long_b, suffix));
+            assert!(a.len() <= MAX_IDENTIFIER_LEN && b.len() <= MAX_IDENTIFIER_LEN);
+            assert!(a.ends_with(suffix) && a.starts_with("éé"));
+            assert_ne!(a, b);
+        }
     }
 }

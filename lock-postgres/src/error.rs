@@ -94,6 +94,14 @@ fn is_setup_error(error: &sqlx::Error) -> bool {
     )
 }
 
+/// The SQLSTATE of the database error behind a step's error, if one is.
+pub(crate) fn sqlstate(error: &BackendError) -> Option<String> {
+    match error.inner().downcast_ref::<sqlx::Error>()? {
+        sqlx::Error::Database(db) => db.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
 /// A step that did not answer within the configured statement timeout.
 pub(crate) fn step_timeout(step: &'static str, after: Duration) -> BackendError {
     BackendError::timeout(step, after)

@@ -1,5 +1,12 @@
 //! The one `LISTEN` connection of a backend, dispatching release
-//! notifications to its [`ReleaseHub`].
+//! notifications and the fair queue's grants to its [`ReleaseHub`].
+//!
+//! It listens on two channels: the release channel, whose payload is a
+//! released key, verbatim; and the grant channel, whose payload names a
+//! grant of the fair queue \[F1\] as `<fencing token>:<claim in
+//! µs>:<owner length in characters>:<owner><key>` (see [`parse_grant`]).
+//! A grant cannot share the release channel: keys may hold any character,
+//! so any payload that names a grant could also be a key.
 //!
 //! It runs on the process's background runtime \[T1\], never on a
 //! caller's: a caller's runtime may be dropped, or left idle, after the
@@ -10,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lock_core::{BackendError, Background, ReleaseHub};
+use lock_core::{BackendError, Background, Grant, ReleaseHub};
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -34,6 +41,7 @@ enum State {
 struct Shared {
     pool: PgPool,
     channel: String,
+    grant_channel: String,
     hub: ReleaseHub,
     connect_timeout: Duration,
     state: watch::Sender<State>,
@@ -58,6 +66,7 @@ impl Listener {
     pub(crate) fn new(
         pool: &PgPool,
         channel: &str,
+        grant_channel: &str,
         hub: ReleaseHub,
         connect_timeout: Duration,
         background: Background,
@@ -75,6 +84,7 @@ impl Listener {
             shared: Arc::new(Shared {
                 pool: own,
                 channel: channel.to_owned(),
+                grant_channel: grant_channel.to_owned(),
                 hub,
                 connect_timeout,
                 state: watch::Sender::new(State::Down(None)),
@@ -199,9 +209,8 @@ async fn listen(shared: Arc<Shared>) {
     loop {
         // This task runs on the background runtime, so the connection's
         // socket is registered there too.
-        let mut listener = match connect(&shared.pool, &shared.channel, shared.connect_timeout)
-            .await
-        {
+        let channels = [shared.channel.as_str(), shared.grant_channel.as_str()];
+        let mut listener = match connect(&shared.pool, &channels, shared.connect_timeout).await {
             Ok(listener) => listener,
             Err(error) => {
                 tracing::debug!(error = %lock_core::ErrorChain(&error), "release listener could not connect; retrying");
@@ -218,6 +227,15 @@ async fn listen(shared: Arc<Shared>) {
         }
         let error = loop {
             match listener.try_recv().await {
+                Ok(Some(notification)) if notification.channel() == shared.grant_channel => {
+                    match parse_grant(notification.payload()) {
+                        Some((key, grant)) => shared.hub.grant(key, grant),
+                        None => tracing::debug!(
+                            payload = notification.payload(),
+                            "a notification on the grant channel that names no grant; ignored"
+                        ),
+                    }
+                }
                 Ok(Some(notification)) => shared.hub.notify(notification.payload()),
                 Ok(None) => break None,
                 Err(error) => break Some(step_error(error)),
@@ -238,18 +256,86 @@ async fn listen(shared: Arc<Shared>) {
 
 async fn connect(
     pool: &PgPool,
-    channel: &str,
+    channels: &[&str],
     timeout: Duration,
 ) -> Result<PgListener, BackendError> {
     let connecting = async {
         let mut listener = PgListener::connect_with(pool).await?;
         listener.eager_reconnect(false);
-        listener.listen(channel).await?;
+        listener.listen_all(channels.iter().copied()).await?;
         Ok::<_, sqlx::Error>(listener)
     };
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(listener)) => Ok(listener),
         Ok(Err(error)) => Err(step_error(error)),
         Err(_) => Err(step_timeout("LISTEN", timeout)),
+    }
+}
+
+/// The key and the grant a payload of the grant channel names:
+/// `<fencing token>:<claim in µs>:<n>:<owner><key>`, where `n` is the
+/// owner token's length in characters (not bytes, so that a server
+/// encoding other than UTF-8 counts it as the client reads it) and the key
+/// is the rest, whatever characters it holds. `None` when the payload is
+/// not of that form.
+pub(crate) fn parse_grant(payload: &str) -> Option<(&str, Grant)> {
+    let (fencing_token, rest) = payload.split_once(':')?;
+    let (claim_us, rest) = rest.split_once(':')?;
+    let (owner_len, rest) = rest.split_once(':')?;
+    let number = |digits: &str| {
+        (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| digits.parse::<u64>().ok())
+            .flatten()
+    };
+    let (fencing_token, claim_us) = (number(fencing_token)?, number(claim_us)?);
+    let owner_len = usize::try_from(number(owner_len)?).ok()?;
+    // The byte offset after `owner_len` characters.
+    let split = rest
+        .char_indices()
+        .map(|(at, _)| at)
+        .chain(std::iter::once(rest.len()))
+        .nth(owner_len)?;
+    let (owner, key) = rest.split_at(split);
+    if owner.is_empty() || key.is_empty() {
+        return None;
+    }
+    let claim = Duration::from_micros(claim_us);
+    Some((key, Grant::new(owner, fencing_token, claim)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_payload_reads_back_whatever_the_key_and_owner_hold() {
+        for (owner, key) in [
+            ("node-a/0123456789abcdef0123456789abcdef", "k"),
+            ("nœud:1/ff", "key:with:colons\nand\nnewlines"),
+            ("a:b", "1:2:3:xy"),
+            ("ü", "ünïcödé 🔒 {braces} % _ ' \" \\"),
+        ] {
+            let payload = format!("42:2000000:{}:{owner}{key}", owner.chars().count());
+            let (k, grant) = parse_grant(&payload).unwrap();
+            assert_eq!(k, key);
+            assert_eq!(&*grant.owner, owner);
+            assert_eq!(grant.fencing_token, 42);
+            assert_eq!(grant.claim, Duration::from_secs(2));
+        }
+        for bad in [
+            "",
+            "k",
+            "1:2:3",
+            "x:2:1:ok",
+            "1:x:1:ok",
+            "1:2:x:ok",
+            "1:2:5:abc",
+            "1:2:3:abc",
+            "1:2:0:abc",
+            "-1:2:1:ab",
+            "+1:2:1:ab",
+        ] {
+            assert!(parse_grant(bad).is_none(), "{bad:?}");
+        }
     }
 }

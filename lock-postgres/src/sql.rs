@@ -2,8 +2,14 @@
 //!
 //! Every time comes from the database (`clock_timestamp()`, read once per
 //! statement in the `now` CTE), in UTC without a time zone as Ruby Locker
-//! writes it. The client sends only the key, the owner token and the ttl as
-//! a number of microseconds, never a timestamp.
+//! writes it. The client sends only the key, the owner token, durations as
+//! numbers of microseconds and the channels, never a timestamp.
+//!
+//! The fair queue's steps are functions that `migrations/0002` creates
+//! (each statement of one reads what committed before it ran, after the
+//! function locked the key's row): here they are one call each.
+
+use crate::config::QueueNames;
 
 /// The database's current time, read once: `t` as Ruby Locker stores it,
 /// and `us`, the same instant in microseconds since the Unix epoch, the
@@ -24,17 +30,84 @@ pub(crate) const SEQUENCE_TYPE: &str = "SELECT format_type(a.atttypid, a.atttypm
        AND a.attnum > 0 AND NOT a.attisdropped";
 
 /// The migrations shipped in `migrations/`, in order, with `{{table}}`
-/// standing for the quoted, schema-qualified table name.
-pub(crate) const MIGRATIONS: &[(&str, &str)] = &[(
-    "0001_create_locks.sql",
-    include_str!("../migrations/0001_create_locks.sql"),
-)];
+/// standing for the quoted, schema-qualified table name, and the fair
+/// queue's names and dollar-quote tags for the others (see
+/// [`render_migration`]).
+pub(crate) const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_create_locks.sql",
+        include_str!("../migrations/0001_create_locks.sql"),
+    ),
+    (
+        "0002_create_waiters.sql",
+        include_str!("../migrations/0002_create_waiters.sql"),
+    ),
+];
+
+/// The text of a migration for `table` and its queue's `names`: each
+/// placeholder replaced by its quoted name, and `{{do}}` and `{{body}}` by
+/// dollar-quote tags that occur in none of the names (a quoted identifier
+/// may hold `$`), so no name can end a quoted body. One pass over the
+/// template: a name that holds `{{…}}` is put in as it is.
+pub(crate) fn render_migration(text: &str, table: &str, names: &QueueNames) -> String {
+    let all = [
+        table,
+        &names.waiters,
+        &names.queue_step,
+        &names.release,
+        &names.leave,
+    ];
+    let tag = |base: &str| {
+        (0u32..)
+            .map(|n| match n {
+                0 => format!("${base}$"),
+                n => format!("${base}{n}$"),
+            })
+            .find(|tag| all.iter().all(|name| !name.contains(tag.as_str())))
+            .unwrap_or_default()
+    };
+    let (do_tag, body_tag) = (tag("withlock_do"), tag("withlock_body"));
+    let value = |placeholder: &str| match placeholder {
+        "table" => Some(table),
+        "waiters" => Some(names.waiters.as_str()),
+        "queue_step" => Some(names.queue_step.as_str()),
+        "release" => Some(names.release.as_str()),
+        "leave" => Some(names.leave.as_str()),
+        "do" => Some(do_tag.as_str()),
+        "body" => Some(body_tag.as_str()),
+        _ => None,
+    };
+    let mut out = String::with_capacity(text.len() + 1024);
+    let mut rest = text;
+    while let Some(start) = rest.find("{{") {
+        let (before, from) = rest.split_at(start);
+        out.push_str(before);
+        match from[2..]
+            .find("}}")
+            .and_then(|end| Some((value(&from[2..2 + end])?, end)))
+        {
+            Some((name, end)) => {
+                out.push_str(name);
+                rest = &from[end + 4..];
+            }
+            None => {
+                out.push_str("{{");
+                rest = &from[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
 
 /// The statements for one table, built once per backend.
 #[derive(Clone, Debug)]
 pub(crate) struct Statements {
-    /// `$1` key, `$2` owner, `$3` ttl in µs. Returns `sequence`, the
-    /// fencing token, when taken, no row when busy.
+    /// `$1` key, `$2` owner, `$3` ttl in µs. Returns one row `(sequence,
+    /// expires_us)`: `sequence`, the fencing token, when taken; else the
+    /// holder's time left in µs \[A9\], `NULL` when the row was not seen
+    /// held (a row made or freed by a statement that committed while
+    /// this one ran); no row at all in that case either.
     pub(crate) acquire: String,
     /// `$1` keys, `$2` owners, `$3` ttls in µs (arrays of equal length).
     /// Returns `(ord, outcome)` per request in order: 0 extended, 1 expired
@@ -49,10 +122,28 @@ pub(crate) struct Statements {
     /// take the record's longer key (a `varchar(255)`) or that refuses its
     /// row otherwise.
     pub(crate) hold_unrecorded: String,
-    /// `$1` key, `$2` owner, and `$3` channel when notifications are on.
-    /// Returns one row, `held` (whether the lease was still valid), when
-    /// `locked_by` was ours; no row otherwise.
+    /// `$1` key, `$2` owner, and, when notifications are on, `$3` channel
+    /// and `$4` the grant channel. Returns one row, `held` (whether the
+    /// lease was still valid), when `locked_by` was ours; no row or a
+    /// `NULL` otherwise. With notifications on, a key whose queue has a
+    /// live place is released by the queue's release function \[F1\],
+    /// which grants it to the head (so is a lease that no longer holds
+    /// the row: the function finds nothing); any other release is as
+    /// [`release_plain`](Self::release_plain)'s.
     pub(crate) release: String,
+    /// The release without the queue: frees the row and announces the key
+    /// (`$3` channel when notifications are on). For a role without rights
+    /// on the waiters table, or a table migrated before it existed \[F6\].
+    pub(crate) release_plain: String,
+    /// `$1` key, `$2` owner, `$3` ttl, `$4` ticket ttl and `$5` claim
+    /// deadline in µs: one queued attempt \[F1\]. Returns one row
+    /// `(fencing_token, expires_us, last_token)`: the first two as
+    /// `acquire`'s, and, when busy, the last fencing token drawn for the
+    /// key.
+    pub(crate) queue_step: String,
+    /// `$1` key, `$2` owner, `$3` channel, `$4` grant channel: leaves the
+    /// queue, handing an untaken grant on \[F2\].
+    pub(crate) leave: String,
 }
 
 /// What the key of a minimum hold's record starts with, before the
@@ -69,7 +160,7 @@ pub(crate) const EXPIRED: i32 = 1;
 pub(crate) const TAKEN: i32 = 2;
 
 impl Statements {
-    pub(crate) fn new(table: &str, notify: bool) -> Self {
+    pub(crate) fn new(table: &str, names: &QueueNames, notify: bool) -> Self {
         // A row is free when nobody holds it or its holder's time ran out
         // (Ruby Locker's `locked_until < now`). The token is
         // max(sequence + 1, database clock in µs): `+ 1` keeps it strictly
@@ -81,17 +172,28 @@ impl Statements {
         // it be narrowed later, the clock value overflows it and the
         // statement fails whole, taking nothing, and the cast in RETURNING
         // keeps the answer's type fixed.
+        //
+        // [A9] When the row was not taken, the second branch reads it (as
+        // the statement's snapshot shows it) for the holder's time left:
+        // its one-time filter skips the read when the row was taken, so a
+        // free key costs what it did.
         let acquire = format!(
-            "{NOW} \
-             INSERT INTO {table} AS l (key, locked_by, locked_at, locked_until, sequence) \
-             SELECT $1, $2, now.t, now.t + $3::bigint * interval '1 microsecond', now.us \
-             FROM now \
-             ON CONFLICT (key) DO UPDATE \
-             SET locked_by = excluded.locked_by, locked_at = excluded.locked_at, \
-                 locked_until = excluded.locked_until, \
-                 sequence = GREATEST(l.sequence + 1, excluded.sequence) \
-             WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
-             RETURNING l.sequence::bigint"
+            "{NOW}, \
+             taken AS (INSERT INTO {table} AS l (key, locked_by, locked_at, locked_until, sequence) \
+                       SELECT $1, $2, now.t, now.t + $3::bigint * interval '1 microsecond', now.us \
+                       FROM now \
+                       ON CONFLICT (key) DO UPDATE \
+                       SET locked_by = excluded.locked_by, locked_at = excluded.locked_at, \
+                           locked_until = excluded.locked_until, \
+                           sequence = GREATEST(l.sequence + 1, excluded.sequence) \
+                       WHERE l.locked_by IS NULL OR l.locked_until < excluded.locked_at \
+                       RETURNING l.sequence::bigint AS sequence) \
+             SELECT t.sequence, NULL::bigint AS expires_us FROM taken AS t \
+             UNION ALL \
+             SELECT NULL::bigint, CASE WHEN l.locked_by IS NOT NULL AND l.locked_until >= now.t \
+                 THEN (extract(epoch FROM (l.locked_until - now.t)) * 1000000)::bigint END \
+             FROM {table} AS l CROSS JOIN now \
+             WHERE l.key = $1 AND NOT EXISTS (SELECT FROM taken)"
         );
         let extend = extension(table, "now.t + req.ttl_us * interval '1 microsecond'", "");
         // [H7] The minimum hold counts from the row's own record of the
@@ -119,19 +221,54 @@ impl Statements {
         // pg_notify runs once per row the select returns; its void result
         // is sent back and ignored.
         let announce = if notify { ", pg_notify($3, r.key)" } else { "" };
-        let release = format!(
+        let release_plain = format!(
             "{NOW}, \
              released AS (UPDATE {table} AS l SET locked_by = NULL FROM now \
                           WHERE l.key = $1 AND l.locked_by = $2 \
                           RETURNING l.key, l.locked_until >= now.t AS held) \
              SELECT r.held{announce} FROM released AS r"
         );
+        // [F1] A key with a live place in its queue (as the statement's
+        // snapshot shows it: one index lookup, the only cost a key without
+        // a queue pays) is not released here but by the queue's release
+        // function, which locks the row first and then sees what
+        // committed before (see the migration): it grants the key to the
+        // head. The function is called whenever the update released
+        // nothing (a queue, or a lease that no longer holds the row: it
+        // then finds nothing and says so). A place made while this
+        // statement ran is not seen: the key is then freed and announced,
+        // and that waiter, which watched before its attempt, tries again.
+        let release = if notify {
+            format!(
+                "{NOW}, \
+                 released AS (UPDATE {table} AS l SET locked_by = NULL FROM now \
+                              WHERE l.key = $1 AND l.locked_by = $2 \
+                                AND NOT EXISTS (SELECT FROM {waiters} AS w \
+                                                WHERE w.key = $1 AND w.alive_until >= now.t) \
+                              RETURNING l.key, l.locked_until >= now.t AS held) \
+                 SELECT r.held, pg_notify($3, r.key)::text FROM released AS r \
+                 UNION ALL \
+                 SELECT {release_fn}($1, $2, $3, $4), NULL WHERE NOT EXISTS (SELECT FROM released)",
+                waiters = names.waiters,
+                release_fn = names.release,
+            )
+        } else {
+            release_plain.clone()
+        };
+        let queue_step = format!(
+            "SELECT fencing_token, expires_us, last_token FROM {}($1, $2, $3, $4, $5)",
+            names.queue_step
+        );
+        let leave = format!("SELECT FROM {}($1, $2, $3, $4)", names.leave);
         Self {
             acquire,
             extend,
             hold,
             hold_unrecorded,
             release,
+            release_plain,
+            queue_step,
+            leave,
         }
     }
 
@@ -168,4 +305,42 @@ fn extension(table: &str, until: &str, also: &str) -> String {
          LEFT JOIN {table} AS l ON l.key = req.key \
          ORDER BY req.ord"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PostgresConfig;
+
+    #[test]
+    fn a_migration_puts_each_name_in_once_and_no_name_ends_a_body() {
+        let config = PostgresConfig::default()
+            .schema("s")
+            .table("odd {{do}} $withlock_body$ {{table}}");
+        let table = config.qualified_table().unwrap();
+        let names = config.queue_names().unwrap();
+        let text = render_migration(MIGRATIONS[1].1, &table, &names);
+        // Every placeholder of the template is replaced, none of the
+        // names' own braces.
+        for placeholder in ["{{waiters}}", "{{queue_step}}", "{{release}}", "{{leave}}"] {
+            assert!(!text.contains(placeholder), "{placeholder}");
+        }
+        assert!(text.contains(&names.waiters) && text.contains(&names.queue_step));
+        assert!(text.contains(r#""s"."odd {{do}} $withlock_body$ {{table}}""#));
+        // The tags the names hold are not used: the bodies are quoted with
+        // the next ones.
+        assert!(!text.contains("AS $withlock_body$\n"));
+        assert!(text.contains("AS $withlock_body1$"));
+        assert!(text.contains("DO $withlock_do$"));
+        // An ordinary table: the first tags.
+        let plain = PostgresConfig::default();
+        let text = render_migration(
+            MIGRATIONS[1].1,
+            &plain.qualified_table().unwrap(),
+            &plain.queue_names().unwrap(),
+        );
+        assert!(text.contains(r#"CREATE FUNCTION "public"."locks_queue_v1"("#));
+        assert!(text.contains("AS $withlock_body$"));
+        assert!(!text.contains("{{"));
+    }
 }

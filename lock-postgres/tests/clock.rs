@@ -62,11 +62,12 @@ async fn the_statements_read_time_from_the_database_only() {
             sql.contains("clock_timestamp() AT TIME ZONE 'UTC'"),
             "{sql}"
         );
-        // The only numbers bound are the key, the owner, the ttl in
-        // microseconds and the channel; no timestamp parameter exists.
+        // The only values bound are the key, the owner, the ttl in
+        // microseconds and the channels (the release's and the fair
+        // queue's grants'); no timestamp parameter exists.
         assert!(!sql.contains("::timestamp"), "{sql}");
         assert!(!sql.contains("now()"), "{sql}");
-        assert!(!sql.contains("$4"), "{sql}");
+        assert!(!sql.contains("$5"), "{sql}");
     }
 }
 
