@@ -60,12 +60,12 @@ if not redis.call('ZSCORE', queue, owner) then
     redis.call('ZADD', queue, (tonumber(last) or 0) + 1, owner)
 end
 redis.call('HSET', waiters, owner, string.format('%d:%s', now + ticket_ttl, ARGV[5]))
-if redis.call('PTTL', queue) < ticket_ttl then
-    redis.call('PEXPIRE', queue, ticket_ttl)
-end
-if redis.call('PTTL', waiters) < ticket_ttl then
-    redis.call('PEXPIRE', waiters, ticket_ttl)
-end
+-- The queue's keys live a ticket ttl past the last attempt (waiters of
+-- one key share their terms; one with a longer ticket ttl than the
+-- last attempt's renews its place in time all the same, every third of
+-- its own, unless the key sees no other attempt for longer).
+redis.call('PEXPIRE', queue, ticket_ttl)
+redis.call('PEXPIRE', waiters, ticket_ttl)
 local last = redis.pcall('GET', fence)
 if type(last) ~= 'string' or not string.find(last, '^[1-9]%d*$') then
     last = -1
