@@ -35,9 +35,9 @@ async fn every_case_is_listed_once() {
     names.dedup();
     assert_eq!(names.len(), n, "a case is listed twice");
     for id in [
-        "o1", "o2", "o3", "o4", "o5", "a1", "a2", "a3", "a4", "a5", "a6", "h1", "h2", "h3", "h4",
-        "h5", "l1", "l2", "l3", "r1", "r2", "r3", "r4", "c1", "c2", "c3", "m1", "m2", "s1", "s2",
-        "s3",
+        "o1", "o2", "o3", "o4", "o5", "a1", "a2", "a3", "a4", "a5", "a6", "a9", "h1", "h2", "h3",
+        "h4", "h5", "l1", "l2", "l3", "r1", "r2", "r3", "r4", "c1", "c2", "c3", "m1", "m2", "s1",
+        "s2", "s3", "f1", "f2", "f3", "f5", "f6",
     ] {
         assert!(
             names.iter().any(|n| n.starts_with(&format!("{id}_"))),

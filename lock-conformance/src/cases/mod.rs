@@ -5,6 +5,7 @@
 mod acquire;
 mod admin;
 mod cancel;
+mod fair;
 mod hold;
 mod holding;
 mod lost;
@@ -19,6 +20,7 @@ mod validity;
 pub use acquire::*;
 pub use admin::*;
 pub use cancel::*;
+pub use fair::*;
 pub use hold::*;
 pub use holding::*;
 pub use lost::*;
