@@ -198,6 +198,13 @@ impl OwedRelease {
             let _ = self.send().await;
         });
         if tokio::runtime::Handle::try_current().is_ok() {
+            // Polled inside the background runtime's context, as
+            // `finish_even_if_dropped` polls a step: a timer or connection
+            // the first poll makes belongs to the runtime the task goes on
+            // in, not to the caller's, which may end first \[T1\].
+            let _inside = registry
+                .background_handle()
+                .map(tokio::runtime::Handle::enter);
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             if release.as_mut().poll(&mut cx).is_ready() {
                 return;
