@@ -4,67 +4,17 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::Duration;
 
-use common::EtcdClusterExt;
+use common::{EtcdClusterExt, Etcdctl};
 use lock_etcd::etcd_client::GetOptions;
 use lock_etcd::{EtcdBackend, LockConfig, Locker, LockerOptions};
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout};
-use withlock_test_servers::etcd::{shared_server, EtcdCluster};
+use withlock_test_servers::etcd::shared_server;
 
 const SOON: Duration = Duration::from_secs(10);
 
 fn node(backend: &EtcdBackend, name: &str) -> Locker {
     Locker::with_options(backend.clone(), LockerOptions::default().node_id(name)).unwrap()
-}
-
-/// `etcdctl lock NAME`, running; it prints its key once it holds the name.
-struct Etcdctl {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl Etcdctl {
-    fn start(cluster: &EtcdCluster, name: &str) -> Self {
-        let mut command = tokio::process::Command::from(cluster.etcdctl());
-        let mut child = command
-            .arg("lock")
-            .arg(name)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("etcdctl starts");
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Self { child, lines }
-    }
-
-    /// Waits until it holds the name; gives the key it printed.
-    async fn held(&mut self) -> String {
-        tokio::time::timeout(SOON, self.lines.next_line())
-            .await
-            .expect("etcdctl takes the lock")
-            .unwrap()
-            .expect("etcdctl printed its key")
-    }
-
-    /// Stops it with SIGTERM: it unlocks, then exits.
-    async fn stop(mut self) {
-        let pid = self.child.id().unwrap();
-        let status = std::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
-        tokio::time::timeout(SOON, self.child.wait())
-            .await
-            .expect("etcdctl exits after SIGTERM")
-            .unwrap();
-    }
 }
 
 /// The contender keys under `name/`, as etcd's clients see them.
@@ -159,12 +109,7 @@ async fn mutex_interop_withlock_holds_etcdctl_waits_until_the_release() {
     };
     assert_eq!(u64::try_from(line[0].1).unwrap(), ours);
     // Queued, and not holding: it prints nothing while withlock holds.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(500), etcdctl.lines.next_line())
-            .await
-            .is_err(),
-        "etcdctl took a name withlock holds"
-    );
+    etcdctl.holds_nothing_for(Duration::from_millis(500)).await;
     assert!(handle.renew().await.unwrap(), "withlock still holds it");
 
     assert!(handle.release().await.unwrap());

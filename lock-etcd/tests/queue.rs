@@ -4,20 +4,17 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use common::EtcdClusterExt;
+use common::{EtcdClusterExt, Etcdctl};
 use lock_etcd::etcd_client::{EventType, GetOptions, WatchOptions};
 use lock_etcd::lock_core::{
     AcquireOutcome, BackendError, Lease, LockAdmin, LockBackend, OwnerToken, QueueTerms,
     ReleaseOutcome,
 };
 use lock_etcd::{EtcdBackend, LockConfig, Locker, LockerOptions};
-use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use withlock_test_servers::etcd::{shared_server, EtcdCluster};
@@ -412,61 +409,6 @@ async fn f1_a_try_once_attempt_puts_no_key() {
     let kinds: Vec<_> = message.events().iter().map(|e| e.event_type()).collect();
     assert_eq!(kinds, vec![EventType::Delete], "{message:?}");
     assert_eq!(state(&backend, "queue_places"), 0);
-}
-
-/// `etcdctl lock NAME`, running; it prints its key once it holds the name.
-struct Etcdctl {
-    child: Child,
-    lines: Lines<BufReader<ChildStdout>>,
-}
-
-impl Etcdctl {
-    fn start(cluster: &EtcdCluster, name: &str) -> Self {
-        let mut command = tokio::process::Command::from(cluster.etcdctl());
-        let mut child = command
-            .arg("lock")
-            .arg(name)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("etcdctl starts");
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Self { child, lines }
-    }
-
-    async fn held(&mut self) -> String {
-        tokio::time::timeout(SOON, self.lines.next_line())
-            .await
-            .expect("etcdctl takes the lock")
-            .unwrap()
-            .expect("etcdctl printed its key")
-    }
-
-    async fn holds_nothing_for(&mut self, for_: Duration) {
-        assert!(
-            tokio::time::timeout(for_, self.lines.next_line())
-                .await
-                .is_err(),
-            "etcdctl took the name out of turn"
-        );
-    }
-
-    /// Stops it with SIGTERM: it unlocks, then exits.
-    async fn stop(mut self) {
-        let pid = self.child.id().unwrap();
-        let status = std::process::Command::new("kill")
-            .arg("-TERM")
-            .arg(pid.to_string())
-            .status()
-            .unwrap();
-        assert!(status.success());
-        tokio::time::timeout(SOON, self.child.wait())
-            .await
-            .expect("etcdctl exits after SIGTERM")
-            .unwrap();
-    }
 }
 
 /// A waiter that reports when its callback starts, and holds until told.

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use lock_etcd::{EtcdBackend, EtcdConfig};
+use tokio::io::AsyncBufReadExt;
 use withlock_test_servers::etcd::EtcdCluster;
 
 /// This crate's configs and backends on a test cluster's members.
@@ -61,5 +62,65 @@ impl EtcdClusterExt for EtcdCluster {
         EtcdBackend::connect(self.config())
             .await
             .unwrap_or_else(|e| panic!("no backend on the test etcd: {e:?}"))
+    }
+}
+
+/// How long `etcdctl` is given to take a name or to exit.
+const ETCDCTL_SOON: Duration = Duration::from_secs(10);
+
+/// `etcdctl lock NAME`, running; it prints its key once it holds the name.
+pub struct Etcdctl {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Etcdctl {
+    pub fn start(cluster: &EtcdCluster, name: &str) -> Self {
+        let mut command = tokio::process::Command::from(cluster.etcdctl());
+        let mut child = command
+            .arg("lock")
+            .arg(name)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("etcdctl starts");
+        let lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        Self { child, lines }
+    }
+
+    /// Waits until it holds the name; gives the key it printed.
+    pub async fn held(&mut self) -> String {
+        tokio::time::timeout(ETCDCTL_SOON, self.lines.next_line())
+            .await
+            .expect("etcdctl takes the lock")
+            .unwrap()
+            .expect("etcdctl printed its key")
+    }
+
+    /// Asserts that it takes nothing for `for_`.
+    pub async fn holds_nothing_for(&mut self, for_: Duration) {
+        assert!(
+            tokio::time::timeout(for_, self.lines.next_line())
+                .await
+                .is_err(),
+            "etcdctl took the name out of turn"
+        );
+    }
+
+    /// Stops it with SIGTERM: it unlocks, then exits.
+    pub async fn stop(mut self) {
+        let pid = self.child.id().unwrap();
+        let status = std::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        tokio::time::timeout(ETCDCTL_SOON, self.child.wait())
+            .await
+            .expect("etcdctl exits after SIGTERM")
+            .unwrap();
     }
 }
