@@ -11,6 +11,9 @@
 //! `postgres://postgres@127.0.0.1:5432/test`), dropped afterwards, and a
 //! role it made, dropped afterwards.
 
+mod common;
+
+use common::{admin, Role};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -597,67 +600,22 @@ async fn f1_nodes_that_loop_without_a_pause_are_served_in_queue_order() {
     assert!(places(&first, &k).await.is_empty());
 }
 
-/// A role that may log in, see the schema and use the lock table, with
-/// no right on the waiters table; dropped with everything granted to it.
-struct Role {
-    name: String,
-}
-
-impl Role {
-    /// The rights of a lock user before the queue: `USAGE` on the schema,
-    /// `SELECT`, `INSERT`, `UPDATE` on the lock table and `USAGE` on its
-    /// `id` sequence (none on the waiters table's identity sequence).
-    async fn create(owner: &TestBackend) -> Self {
-        let name = format!("withlock_test_role_{:016x}", rand::random::<u64>());
-        let (schema, table) = (owner.schema().name(), owner.qualified_table());
-        let id_sequence: String = sqlx::query_scalar("SELECT pg_get_serial_sequence($1, 'id')")
-            .bind(table)
-            .fetch_one(owner.pool())
-            .await
-            .unwrap();
-        admin(&format!(
-            "CREATE ROLE \"{name}\" LOGIN; GRANT USAGE ON SCHEMA \"{schema}\" TO \"{name}\"; \
-             GRANT SELECT, INSERT, UPDATE ON {table} TO \"{name}\"; \
-             GRANT USAGE ON SEQUENCE {id_sequence} TO \"{name}\""
-        ))
-        .await;
-        Self { name }
-    }
-
-    /// The test server's URL with this role as the user.
-    fn url(&self) -> String {
-        let url = database_url();
-        let (scheme, rest) = url.split_once("://").unwrap();
-        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-        format!("{scheme}://{}@{host}", self.name)
-    }
-}
-
-impl Drop for Role {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        // A runtime of its own: the test's may be shutting down.
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(admin(&format!(
-                    "DROP OWNED BY \"{name}\"; DROP ROLE IF EXISTS \"{name}\""
-                )));
-        })
-        .join();
-    }
-}
-
-async fn admin(sql: &str) {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&database_url())
+/// A role with the rights of a lock user before the queue: `USAGE` on
+/// the schema, `SELECT`, `INSERT`, `UPDATE` on the lock table and `USAGE`
+/// on its `id` sequence (none on the waiters table's identity sequence).
+async fn role_before_the_queue(owner: &TestBackend) -> Role {
+    let (schema, table) = (owner.schema().name(), owner.qualified_table());
+    let id_sequence: String = sqlx::query_scalar("SELECT pg_get_serial_sequence($1, 'id')")
+        .bind(table)
+        .fetch_one(owner.pool())
         .await
         .unwrap();
-    sqlx::raw_sql(sql).execute(&pool).await.unwrap();
-    pool.close().await;
+    Role::with_grants(&format!(
+        "GRANT USAGE ON SCHEMA \"{schema}\" TO {{role}}; \
+         GRANT SELECT, INSERT, UPDATE ON {table} TO {{role}}; \
+         GRANT USAGE ON SEQUENCE {id_sequence} TO {{role}}"
+    ))
+    .await
 }
 
 /// What a backend refused the queue must still do \[F6\]: its queued
@@ -726,7 +684,7 @@ async fn refused_but_working(owner: &TestBackend, refused: PostgresBackend, word
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f6_a_role_without_rights_on_the_waiters_table_waits_unqueued() {
     let owner = TestBackend::new(&database_url()).await.unwrap();
-    let role = Role::create(&owner).await;
+    let role = role_before_the_queue(&owner).await;
     let refused = PostgresBackend::from_url_with(&role.url(), owner.config().clone()).unwrap();
     let k = refused_but_working(&owner, refused, "permission denied").await;
     assert!(places(&owner, &k).await.is_empty());
@@ -738,7 +696,7 @@ async fn f6_a_role_without_rights_on_the_waiters_table_waits_unqueued() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f6_a_role_with_the_readmes_rights_queues() {
     let owner = TestBackend::new(&database_url()).await.unwrap();
-    let role = Role::create(&owner).await;
+    let role = role_before_the_queue(&owner).await;
     let waiters = owner.config().qualified_waiters_table().unwrap();
     admin(&format!(
         "GRANT SELECT, INSERT, UPDATE, DELETE ON {waiters} TO \"{}\"",
@@ -805,7 +763,7 @@ async fn f6_without_the_waiters_table_a_node_waits_unqueued_until_migrate() {
 async fn the_migration_runs_again_for_another_role() {
     let owner = TestBackend::new(&database_url()).await.unwrap();
     owner.migrate().await.unwrap();
-    let role = Role::create(&owner).await;
+    let role = role_before_the_queue(&owner).await;
     admin(&format!(
         "GRANT CREATE ON SCHEMA \"{}\" TO \"{}\"",
         owner.schema().name(),

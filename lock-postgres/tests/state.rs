@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::Observed;
+use common::{Observed, Role};
 use lock_conformance::node;
 use lock_core::{BackendErrorKind, LockConfig, LockError, LossCause};
 use lock_postgres::testing::{TestBackend, TestSchema};
@@ -232,57 +232,13 @@ async fn lost_locks(keys: usize) {
     eprintln!("{keys} locks lost in {:?}", started.elapsed());
 }
 
-/// A role that may log in and see the schema, with no right on the lock
-/// table, dropped with everything granted to it.
-struct Role {
-    name: String,
-}
-
-impl Role {
-    async fn create(schema: &TestSchema) -> Self {
-        let name = format!("withlock_test_role_{:016x}", rand::random::<u64>());
-        admin(&format!(
-            "CREATE ROLE \"{name}\" LOGIN; GRANT USAGE ON SCHEMA \"{}\" TO \"{name}\"",
-            schema.name()
-        ))
-        .await;
-        Self { name }
-    }
-
-    /// The test server's URL with this role as the user.
-    fn url(&self) -> String {
-        let url = database_url();
-        let (scheme, rest) = url.split_once("://").unwrap();
-        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
-        format!("{scheme}://{}@{host}", self.name)
-    }
-}
-
-impl Drop for Role {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        // A runtime of its own: the test's may be shutting down.
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(admin(&format!(
-                    "DROP OWNED BY \"{name}\"; DROP ROLE IF EXISTS \"{name}\""
-                )));
-        })
-        .join();
-    }
-}
-
-async fn admin(sql: &str) {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&database_url())
-        .await
-        .unwrap();
-    sqlx::raw_sql(sql).execute(&pool).await.unwrap();
-    pool.close().await;
+/// A role with `USAGE` on the schema of `schema` and nothing else.
+async fn bare_role(schema: &TestSchema) -> Role {
+    Role::with_grants(&format!(
+        "GRANT USAGE ON SCHEMA \"{}\" TO {{role}}",
+        schema.name()
+    ))
+    .await
 }
 
 /// Attempts by a role without rights on the lock table: each ends at its
@@ -294,7 +250,7 @@ async fn refused_attempts(keys: usize) {
     let _alone = ONE_AT_A_TIME.lock().await;
     let started = Instant::now();
     let owner = TestBackend::new(&database_url()).await.unwrap();
-    let role = Role::create(owner.schema()).await;
+    let role = bare_role(owner.schema()).await;
     let refused = Arc::new(
         PostgresBackend::from_url_with(
             &role.url(),

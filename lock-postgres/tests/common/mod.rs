@@ -81,3 +81,60 @@ lock_core::forward_lock_backend!(Observed => inner {
         None
     }
 });
+
+/// A login role made for one test, dropped with everything it owns when
+/// the value is.
+pub(crate) struct Role {
+    pub(crate) name: String,
+}
+
+impl Role {
+    /// A new role, then `grants` run as the admin with `{role}` standing
+    /// for its quoted name.
+    pub(crate) async fn with_grants(grants: &str) -> Self {
+        let name = format!("withlock_test_role_{:016x}", rand::random::<u64>());
+        let quoted = format!("\"{name}\"");
+        admin(&format!(
+            "CREATE ROLE {quoted} LOGIN; {}",
+            grants.replace("{role}", &quoted)
+        ))
+        .await;
+        Self { name }
+    }
+
+    /// The test server's URL with this role as the user.
+    pub(crate) fn url(&self) -> String {
+        let url = withlock_test_servers::postgres::database_url();
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{}@{host}", self.name)
+    }
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // A runtime of its own: the test's may be shutting down.
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(admin(&format!(
+                    "DROP OWNED BY \"{name}\"; DROP ROLE IF EXISTS \"{name}\""
+                )));
+        })
+        .join();
+    }
+}
+
+/// Runs `sql` as the test server's admin user.
+pub(crate) async fn admin(sql: &str) {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&withlock_test_servers::postgres::database_url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+    pool.close().await;
+}
