@@ -64,7 +64,32 @@ struct State {
     next_sweep: Option<Instant>,
     /// The fair queue of each key with waiters \[F1\], in arrival order;
     /// a key's entry goes when its last place does.
-    queues: HashMap<Box<str>, std::collections::VecDeque<Place>>,
+    queues: HashMap<Box<str>, Queue>,
+}
+
+/// After grants in a row for this long, a release leaves the key free for
+/// [`GAP`] instead of granting it, and the queue's head waits the gap out,
+/// so that callers outside the queue (`no_queue()`) are not starved
+/// \[F5\]: the numbers of the Redis backend.
+const STREAK: Duration = Duration::from_secs(10);
+const GAP: Duration = Duration::from_millis(600);
+
+/// A key's fair queue.
+#[derive(Default)]
+struct Queue {
+    /// The places, in arrival order.
+    places: std::collections::VecDeque<Place>,
+    /// When the key's current run of grants began.
+    streak: Option<Instant>,
+    /// Until when the key is left free for callers outside the queue.
+    gap_until: Option<Instant>,
+}
+
+impl Queue {
+    /// Whether the queue holds nothing worth keeping.
+    fn is_idle(&self) -> bool {
+        self.places.is_empty() && self.streak.is_none() && self.gap_until.is_none()
+    }
 }
 
 /// A waiter's place in a key's queue.
@@ -259,18 +284,28 @@ impl MemoryBackend {
     }
 
     /// Takes the first live place off `key`'s queue, dropping the places
-    /// whose waiters stopped renewing them \[F2\].
-    fn next_place(
-        queues: &mut HashMap<Box<str>, std::collections::VecDeque<Place>>,
-        key: &str,
-        now: Instant,
-    ) -> Option<Place> {
+    /// whose waiters stopped renewing them \[F2\]; none when nobody live
+    /// waits (the queue goes), or when the key is to be left free for a
+    /// gap after a long run of grants \[F5\].
+    fn next_place(queues: &mut HashMap<Box<str>, Queue>, key: &str, now: Instant) -> Option<Place> {
         let queue = queues.get_mut(key)?;
-        let next = std::iter::from_fn(|| queue.pop_front()).find(|place| place.alive_until > now);
-        if queue.is_empty() {
+        let Some(next) =
+            std::iter::from_fn(|| queue.places.pop_front()).find(|place| place.alive_until > now)
+        else {
             queues.remove(key);
+            return None;
+        };
+        match queue.streak {
+            None => queue.streak = Some(now),
+            Some(since) if now.saturating_duration_since(since) >= STREAK => {
+                queue.streak = None;
+                queue.gap_until = Some(now + GAP);
+                queue.places.push_front(next);
+                return None;
+            }
+            Some(_) => {}
         }
-        next
+        Some(next)
     }
 
     /// One attempt of a queued waiter \[F1\]; see
@@ -286,10 +321,13 @@ impl MemoryBackend {
         let mut state = self.lock();
         let state = &mut *state;
         let queue = state.queues.entry_ref(key).or_default();
-        queue.retain(|place| place.alive_until > now);
-        let ours = queue.iter().position(|place| place.owner == *owner);
-        let first = queue.front().map(|place| &place.owner);
+        queue.places.retain(|place| place.alive_until > now);
+        let ours = queue.places.iter().position(|place| place.owner == *owner);
+        let first = queue.places.front().map(|place| &place.owner);
         let ahead = first.is_some_and(|first| first != owner);
+        // [F5] A gap left for callers outside the queue: waited out.
+        let gap = queue.gap_until.filter(|until| *until > now);
+        queue.gap_until = gap;
         // A grant to this waiter: taken up.
         if let Some(holder) = state.held.get_mut(key) {
             if holder.expires_at > now && holder.owner.as_ref() == Some(owner) {
@@ -299,9 +337,13 @@ impl MemoryBackend {
                 return AcquireOutcome::Acquired { fencing_token };
             }
         }
-        if !ahead {
+        if !ahead && gap.is_none() {
             let answer = Self::acquire_locked(state, key, owner, ttl, now);
             if matches!(answer, AcquireOutcome::Acquired { .. }) {
+                // Taken free, not granted: the run of grants ends.
+                if let Some(queue) = state.queues.get_mut(key) {
+                    queue.streak = None;
+                }
                 Self::drop_place(&mut state.queues, key, owner);
                 return answer;
             }
@@ -309,33 +351,35 @@ impl MemoryBackend {
         let queue = state.queues.entry_ref(key).or_default();
         let alive_until = now + terms.ticket_ttl;
         match ours {
-            Some(i) => queue[i].alive_until = alive_until,
-            None => queue.push_back(Place {
+            Some(i) => queue.places[i].alive_until = alive_until,
+            None => queue.places.push_back(Place {
                 owner: owner.clone(),
                 alive_until,
                 claim: terms.claim,
             }),
         }
-        let head = queue.front().is_some_and(|place| place.owner == *owner);
-        let expires_in = state
-            .held
-            .get(key)
-            .filter(|holder| head && holder.expires_at > now)
-            .map(|holder| holder.expires_at - now);
+        let head = queue
+            .places
+            .front()
+            .is_some_and(|place| place.owner == *owner);
+        let expires_in = match gap {
+            Some(until) => head.then(|| until - now),
+            None => state
+                .held
+                .get(key)
+                .filter(|holder| head && holder.expires_at > now)
+                .map(|holder| holder.expires_at - now),
+        };
         AcquireOutcome::Busy {
             expires_in,
             last_token: Some(state.fence),
         }
     }
 
-    fn drop_place(
-        queues: &mut HashMap<Box<str>, std::collections::VecDeque<Place>>,
-        key: &str,
-        owner: &OwnerToken,
-    ) {
+    fn drop_place(queues: &mut HashMap<Box<str>, Queue>, key: &str, owner: &OwnerToken) {
         if let Some(queue) = queues.get_mut(key) {
-            queue.retain(|place| place.owner != *owner);
-            if queue.is_empty() {
+            queue.places.retain(|place| place.owner != *owner);
+            if queue.is_idle() {
                 queues.remove(key);
             }
         }
@@ -566,6 +610,72 @@ impl LockBackend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// \[F5\] Two waiters of the queue take turns without a pause; after
+    /// grants in a row for `STREAK`, a release leaves the key free for
+    /// `GAP`: a caller outside the queue takes it then, and the queue's
+    /// head is told to wait the gap out.
+    #[tokio::test(start_paused = true)]
+    async fn f5_a_long_run_of_grants_leaves_the_key_free_for_a_gap() {
+        let backend = MemoryBackend::new();
+        let (ttl, terms) = (Duration::from_secs(30), QueueTerms::DEFAULT);
+        let owners = [OwnerToken::new("a"), OwnerToken::new("b")];
+        let mut holder = Lease::new(
+            "k",
+            owners[0].clone(),
+            match backend.try_acquire("k", &owners[0], ttl).await.unwrap() {
+                AcquireOutcome::Acquired { fencing_token } => fencing_token,
+                AcquireOutcome::Busy { .. } => panic!("k is busy"),
+            },
+        );
+        let mut next = 1;
+        let mut grants = 0;
+        loop {
+            // The other waiter queues, the holder releases a second later.
+            let waiter = &owners[next];
+            assert!(backend
+                .try_acquire_queued("k", waiter, ttl, terms)
+                .await
+                .unwrap()
+                .is_busy());
+            tokio::time::advance(Duration::from_secs(1)).await;
+            backend.release(&holder).await.unwrap();
+            match backend.holder("k") {
+                Some(granted) => {
+                    assert_eq!(&granted, waiter);
+                    let token = match backend
+                        .try_acquire_queued("k", waiter, ttl, terms)
+                        .await
+                        .unwrap()
+                    {
+                        AcquireOutcome::Acquired { fencing_token } => fencing_token,
+                        AcquireOutcome::Busy { .. } => panic!("the grant is taken up"),
+                    };
+                    holder = Lease::new("k", waiter.clone(), token);
+                    grants += 1;
+                    next = 1 - next;
+                }
+                None => break,
+            }
+        }
+        assert!((10..=12).contains(&grants), "{grants} grants in a row");
+        // The queue's head waits the gap out; a caller outside takes it.
+        match backend
+            .try_acquire_queued("k", &owners[next], ttl, terms)
+            .await
+            .unwrap()
+        {
+            AcquireOutcome::Busy { expires_in, .. } => {
+                assert_eq!(expires_in, Some(GAP), "the head is told the gap");
+            }
+            AcquireOutcome::Acquired { .. } => panic!("the head took the gap"),
+        }
+        assert!(!backend
+            .try_acquire("k", &OwnerToken::new("outside"), ttl)
+            .await
+            .unwrap()
+            .is_busy());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn expiry_follows_tokios_paused_clock() {
