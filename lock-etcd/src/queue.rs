@@ -492,22 +492,11 @@ impl EtcdBackend {
         revision: i64,
         ttl: Duration,
     ) -> Result<Promoted, BackendError> {
-        let key = place.key(name);
         let (start, end) = contender_range(name);
-        let txn = Txn::new()
-            .when(vec![
-                Compare::value(key.clone(), CompareOp::Equal, owner.as_str()),
-                Compare::create_revision(key.clone(), CompareOp::Equal, revision),
-            ])
-            .and_then(vec![TxnOp::put(
-                key,
-                owner.as_str(),
-                Some(PutOptions::new().with_lease(place.hold)),
-            )])
-            .or_else(vec![TxnOp::get(
-                start,
-                Some(GetOptions::new().with_range(end).with_keys_only()),
-            )]);
+        let txn = move_key(place.key(name), owner, revision, place.hold).or_else(vec![TxnOp::get(
+            start,
+            Some(GetOptions::new().with_range(end).with_keys_only()),
+        )]);
         // Sent twice, the move finds the key where the first put it, under
         // the same comparisons.
         let send = || {
@@ -728,17 +717,7 @@ impl EtcdBackend {
             })
             .await?
             .id();
-        let contender = place.key(name);
-        let txn = Txn::new()
-            .when(vec![
-                Compare::value(contender.clone(), CompareOp::Equal, owner.as_str()),
-                Compare::create_revision(contender.clone(), CompareOp::Equal, revision),
-            ])
-            .and_then(vec![TxnOp::put(
-                contender,
-                owner.as_str(),
-                Some(PutOptions::new().with_lease(new)),
-            )]);
+        let txn = move_key(place.key(name), owner, revision, new);
         let answer = self
             .call(Again::Yes, |mut client| {
                 let txn = txn.clone();
@@ -755,4 +734,20 @@ impl EtcdBackend {
         }
         Ok(ExtendOutcome::Extended)
     }
+}
+
+/// The transaction that moves a contender key to `lease`, keeping its
+/// create revision, only while it still holds `owner` with `revision`
+/// (the put of a key that exists keeps its create revision).
+fn move_key(key: String, owner: &OwnerToken, revision: i64, lease: i64) -> Txn {
+    Txn::new()
+        .when(vec![
+            Compare::value(key.clone(), CompareOp::Equal, owner.as_str()),
+            Compare::create_revision(key.clone(), CompareOp::Equal, revision),
+        ])
+        .and_then(vec![TxnOp::put(
+            key,
+            owner.as_str(),
+            Some(PutOptions::new().with_lease(lease)),
+        )])
 }
