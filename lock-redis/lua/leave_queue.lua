@@ -6,11 +6,13 @@
 -- ARGV[1]     the owner token
 -- ARGV[2]     the release channel
 -- ARGV[3]     the companion's idle period in milliseconds
+-- ARGV[4]     the publish command: PUBLISH (one server, Sentinel) or
+--             SPUBLISH (Redis Cluster, on the shard channel of the slot)
 --
 -- Returns 1 when a grant was handed on, else 0.
 forget(KEYS[3], KEYS[4], ARGV[1])
 if redis.pcall('GET', KEYS[1]) == ARGV[1] then
-    hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], now_ms())
+    hand_on(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], now_ms(), ARGV[4])
     return 1
 end
 return 0

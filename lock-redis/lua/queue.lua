@@ -62,11 +62,12 @@ end
 -- Frees `lock` (the caller checked that its releasing owner holds it) and
 -- grants it to the queue's head [F1], for the head's claim deadline, with
 -- a new fencing token, or frees it when nobody live waits; announces
--- either on `channel`: a grant as
+-- either on `channel` with `publish` (PUBLISH, or SPUBLISH on a cluster's
+-- shard channel of the key's slot): a grant as
 --   "\0grant <fencing token> <claim ms> <length of the owner>\n<owner><lock key>"
 -- (no lock key starts with NUL: the driver refuses keys holding one),
 -- a free key as the lock key alone, as before the queue.
-local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now)
+local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now, publish)
     local head, claim = head_of(queue, waiters, now)
     redis.call('DEL', lock)
     if head then
@@ -85,7 +86,7 @@ local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now)
         local token = acquire(lock, fence, head, claim, tonumber(claim) + tonumber(fence_idle))
         if type(token) ~= 'table' then
             forget(queue, waiters, head)
-            redis.call('PUBLISH', channel,
+            redis.call(publish, channel,
                 '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock)
             return
         end
@@ -95,5 +96,5 @@ local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now)
         -- Nobody live queued: the run of grants ends.
         redis.call('HDEL', waiters, '')
     end
-    redis.call('PUBLISH', channel, lock)
+    redis.call(publish, channel, lock)
 end

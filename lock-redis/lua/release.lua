@@ -9,6 +9,9 @@
 -- ARGV[2]  the release channel; the message is the lock key (KEYS[1]), or
 --          a grant's message (see queue.lua)
 -- ARGV[3]  the companion's idle period in milliseconds
+-- ARGV[4]  the publish command: PUBLISH (one server, Sentinel; the
+--          default) or SPUBLISH (Redis Cluster, ARGV[2] the shard
+--          channel of the key's slot)
 --
 -- The common release (nobody queued) runs three commands, as before the
 -- queue but for the EXISTS of the queue. The grant is queue.lua's
@@ -98,7 +101,7 @@ if redis.pcall('EXISTS', KEYS[3]) == 1 then
             if token == clock then
                 redis.call('PEXPIRE', fence, fence_ttl)
             end
-            redis.call('PUBLISH', ARGV[2],
+            redis.call(ARGV[4] or 'PUBLISH', ARGV[2],
                 '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock)
             return 1
         end
@@ -107,5 +110,5 @@ if redis.pcall('EXISTS', KEYS[3]) == 1 then
     redis.call('HDEL', waiters, '')
 end
 redis.call('DEL', lock)
-redis.call('PUBLISH', ARGV[2], lock)
+redis.call(ARGV[4] or 'PUBLISH', ARGV[2], lock)
 return 1

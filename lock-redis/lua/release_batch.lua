@@ -33,7 +33,7 @@ for i = 1, #KEYS / 4 do
     local lock = KEYS[4 * i - 3]
     if redis.pcall('GET', lock) == ARGV[i + 2] then
         if redis.pcall('EXISTS', KEYS[4 * i - 1]) == 1 then
-            hand_on(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], ARGV[1], ARGV[2], now_ms())
+            hand_on(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], ARGV[1], ARGV[2], now_ms(), 'PUBLISH')
         else
             redis.call('DEL', lock)
             if listened then

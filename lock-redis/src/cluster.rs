@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use lock_core::{
     async_trait, AcquireOutcome, BackendError, BackendErrorKind, Capabilities, ExtendOutcome,
-    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, ReleaseOutcome, ReleaseWatch, MAX_KEY_LEN,
+    ExtendRequest, Hold, Lease, LockBackend, OwnerToken, QueueTerms, ReleaseOutcome, ReleaseWatch,
+    MAX_KEY_LEN,
 };
 use redis::{ErrorKind, RedisError, Value};
 
@@ -24,9 +25,12 @@ use crate::cluster_nodes::{ClusterNodes, Lane, Node};
 use crate::cluster_subscription::ShardedSubscription;
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::errors::{is_key_refused, map_redis_error};
+use crate::plumbing::queue::{queue_keys, queued_outcome, QueueRights};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
-use crate::plumbing::scripts::{Lua, ACQUIRE, EXTEND, HOLD, RELEASE_SHARDED};
+use crate::plumbing::scripts::{
+    Lua, ACQUIRE, ACQUIRE_QUEUED, EXTEND, HOLD, LEAVE_QUEUE, RELEASE, RELEASE_SHARDED,
+};
 use crate::plumbing::timeout::within;
 use crate::slot::{fence_key, kept_key, key_slot, slot_tag};
 use crate::tls::Trust;
@@ -53,6 +57,8 @@ struct Inner {
     /// Acquisitions and releases waiting to go out together, per master.
     batchers: Batchers,
     subscription: Option<ShardedSubscription>,
+    /// Whether releases may touch the fair queue's keys \[F6\].
+    queue_rights: QueueRights,
 }
 
 impl RedisClusterBackend {
@@ -169,6 +175,7 @@ impl RedisClusterBackend {
                 config,
                 batchers: Batchers::default(),
                 subscription,
+                queue_rights: QueueRights::default(),
             }),
         })
     }
@@ -675,6 +682,7 @@ impl LockBackend for RedisClusterBackend {
             .with_release_notifications(self.inner.subscription.is_some())
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(self.inner.config.max_extend_batch)
+            .with_fair_queue(self.inner.config.durability.is_none())
     }
 
     /// The acquisition script of [`RedisBackend`](crate::RedisBackend) on
@@ -805,8 +813,13 @@ impl LockBackend for RedisClusterBackend {
         })
     }
 
-    /// `DEL` if the key still holds the owner token, then `SPUBLISH` of the
-    /// key on its slot's shard channel, in one script on the key's master.
+    /// The release script of [`RedisBackend`](crate::RedisBackend) on the
+    /// key's master: when waiters are queued, a grant to the first live
+    /// one \[F1\], else `DEL` if the key still holds the owner token; then
+    /// `SPUBLISH` of the key (or the grant) on its slot's shard channel.
+    /// The lock key, its companion, queue and waiters share the key's slot.
+    /// A user whose ACL does not reach the queue's keys frees the key
+    /// without them \[F6\].
     ///
     /// # Cancel safety
     ///
@@ -815,14 +828,93 @@ impl LockBackend for RedisClusterBackend {
     async fn release(&self, lease: &Lease) -> Result<ReleaseOutcome, BackendError> {
         let lock_key = self.lock_key(lease.key());
         let channel = slot_channel(key_slot(&lock_key), &self.inner.config.prefix);
+        let owner = lease.owner().as_str();
+        if self.inner.queue_rights.allowed() {
+            let args = vec![
+                owner.to_owned(),
+                channel.clone(),
+                self.inner.config.fence_idle_ms(),
+                "SPUBLISH".to_owned(),
+            ];
+            match self
+                .step(Kind::Release, queue_keys(&lock_key).into(), args)
+                .await
+            {
+                Err(error) if is_key_refused(&error) => self.inner.queue_rights.refuse(&error),
+                value => return release_outcome(script_number("release", value?)?),
+            }
+        }
         let value = self
-            .step(
-                Kind::Release,
-                vec![lock_key.clone()],
-                vec![lease.owner().as_str().to_owned(), channel],
+            .eval(
+                "release",
+                Lane::Steps,
+                &RELEASE_SHARDED,
+                &[&lock_key],
+                &[owner, &channel],
             )
             .await?;
         release_outcome(script_number("release", value)?)
+    }
+
+    /// One attempt of a waiter in the key's fair queue (the script of
+    /// [`RedisBackend`](crate::RedisBackend)) on the key's master: the
+    /// queue's keys share the lock key's slot, and a grant is announced on
+    /// the slot's shard channel.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may have taken the key or a place; a release or a
+    /// leave with the same owner token undoes either.
+    async fn try_acquire_queued(
+        &self,
+        key: &str,
+        owner: &OwnerToken,
+        ttl: Duration,
+        terms: QueueTerms,
+    ) -> Result<AcquireOutcome, BackendError> {
+        let lock_key = self.lock_key(key);
+        let keys = queue_keys(&lock_key);
+        let keys = keys.each_ref().map(String::as_str);
+        let args = [
+            owner.as_str(),
+            &ttl_ms(ttl),
+            &self.inner.config.fence_ttl_ms(ttl),
+            &ttl_ms(terms.ticket_ttl),
+            &ttl_ms(terms.claim),
+        ];
+        let answer = self
+            .eval(
+                "queued acquisition",
+                Lane::Steps,
+                &ACQUIRE_QUEUED,
+                &keys,
+                &args,
+            )
+            .await?;
+        queued_outcome(&answer)
+    }
+
+    /// The waiter's place removed, on the key's master; a grant made to it
+    /// and not taken up is handed on as a release would.
+    ///
+    /// # Cancel safety
+    ///
+    /// A dropped call may or may not have left; calling again is safe.
+    async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {
+        let lock_key = self.lock_key(key);
+        let channel = slot_channel(key_slot(&lock_key), &self.inner.config.prefix);
+        let keys = queue_keys(&lock_key);
+        let keys = keys.each_ref().map(String::as_str);
+        let args = [
+            owner.as_str(),
+            &channel,
+            &self.inner.config.fence_idle_ms(),
+            "SPUBLISH",
+        ];
+        let value = self
+            .eval("leaving the queue", Lane::Steps, &LEAVE_QUEUE, &keys, &args)
+            .await?;
+        script_number("leaving the queue", value).map(drop)
     }
 
     /// The extension script with the time left of the minimum hold \[H7\]
@@ -875,7 +967,7 @@ impl Kind {
     pub(crate) fn lua(self) -> &'static Lua {
         match self {
             Kind::Acquisition => &ACQUIRE,
-            Kind::Release => &RELEASE_SHARDED,
+            Kind::Release => &RELEASE,
         }
     }
 }

@@ -27,10 +27,9 @@ use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::{is_key_refused, map_redis_error};
+use crate::plumbing::queue::{queue_keys, queued_outcome, QueueRights};
 use crate::plumbing::redact;
-use crate::plumbing::scripts::{
-    acquire_outcome, extend_outcome, release_outcome, ttl_ms, unexpected,
-};
+use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{
     Lua, ACQUIRE, ACQUIRE_BATCH, ACQUIRE_QUEUED, EXTEND, HOLD, LEAVE_QUEUE, RELEASE, RELEASE_BATCH,
     RELEASE_BATCH_UNQUEUED, RELEASE_UNQUEUED,
@@ -38,7 +37,7 @@ use crate::plumbing::scripts::{
 use crate::plumbing::timeout::within;
 use crate::same_server::{Next, SameServer};
 use crate::sentinel::connected_replicas;
-use crate::slot::{fence_key, kept_key, queue_key, waiters_key};
+use crate::slot::{fence_key, kept_key};
 use crate::subscription::{PubSubTarget, Subscription};
 
 /// Where a single-node backend's connections come from.
@@ -114,9 +113,8 @@ struct Inner<S> {
     releases: Batcher,
     /// Where the connections taken from the source are made and driven.
     driver: Driver,
-    /// The ACL refused the fair queue's keys to a release (`NOPERM`): the
-    /// releases of this backend leave them out from then on \[F6\].
-    queue_refused: std::sync::atomic::AtomicBool,
+    /// Whether releases may touch the fair queue's keys \[F6\].
+    queue_rights: QueueRights,
 }
 
 impl<S: Source> SingleNode<S> {
@@ -149,7 +147,7 @@ impl<S: Source> SingleNode<S> {
                 acquisitions: Batcher::default(),
                 releases: Batcher::default(),
                 driver: Driver::default(),
-                queue_refused: std::sync::atomic::AtomicBool::new(false),
+                queue_rights: QueueRights::default(),
             }),
         }
     }
@@ -543,10 +541,10 @@ impl<S: Source> BatchOnTheWire<S> {
                         .await
                 }
             };
-            let queue = self.step == Step::Release && backend.queue_allowed();
+            let queue = self.step == Step::Release && backend.inner.queue_rights.allowed();
             match send(queue).await {
                 Err(error) if queue && is_key_refused(&error) => {
-                    backend.refuse_queue(&error);
+                    backend.inner.queue_rights.refuse(&error);
                     send(false).await
                 }
                 answer => answer,
@@ -585,42 +583,6 @@ impl<S: Source> Drop for BatchOnTheWire<S> {
 
 /// The error of an acquisition whose fencing companion holds no counter, as
 /// the one-key script gives it.
-/// The keys of a lock's release and fair-queue steps, in their scripts'
-/// order: the lock key, its fencing companion, its queue and its waiters,
-/// all in the lock key's hash slot.
-fn queue_keys(lock_key: &str) -> [String; 4] {
-    [
-        lock_key.to_owned(),
-        fence_key(lock_key),
-        queue_key(lock_key),
-        waiters_key(lock_key),
-    ]
-}
-
-/// The queued acquisition's answer: the fencing token, or busy as the
-/// pair `[0 or -2 - PTTL, last token drawn or -1]`.
-fn queued_outcome(answer: &redis::Value) -> Result<AcquireOutcome, BackendError> {
-    let parse = |value: &redis::Value| {
-        i64::from_redis_value(value).map_err(|e| protocol_error("queued acquisition", &e))
-    };
-    match answer {
-        redis::Value::Array(pair) if pair.len() == 2 => {
-            let expires_in = match acquire_outcome(parse(&pair[0])?)? {
-                AcquireOutcome::Busy { expires_in, .. } => expires_in,
-                AcquireOutcome::Acquired { .. } => {
-                    return Err(unexpected("queued acquisition", parse(&pair[0])?))
-                }
-            };
-            let last_token = u64::try_from(parse(&pair[1])?).ok();
-            Ok(AcquireOutcome::Busy {
-                expires_in,
-                last_token,
-            })
-        }
-        token => acquire_outcome(parse(token)?),
-    }
-}
-
 fn corrupt_companion(fence: &str) -> BackendError {
     map_redis_error(redis::RedisError::from((
         redis::ErrorKind::ResponseError,
@@ -765,7 +727,7 @@ impl<S: Source> SingleNode<S> {
             .with_release_notifications(self.inner.subscription.is_some())
             .with_max_key_len(MAX_KEY_LEN)
             .with_max_extend_batch(self.inner.config.max_extend_batch)
-            .with_fair_queue(true)
+            .with_fair_queue(self.inner.config.durability.is_none())
     }
 
     /// The step of [`LockBackend::try_acquire`].
@@ -864,7 +826,7 @@ impl<S: Source> SingleNode<S> {
         let lock_key = self.lock_key(lease.key());
         let answer = if let Some(_counted) = self.alone(Step::Release) {
             let owner = lease.owner().as_str();
-            if self.queue_allowed() {
+            if self.inner.queue_rights.allowed() {
                 let keys = queue_keys(&lock_key);
                 let keys = keys.each_ref().map(String::as_str);
                 let args = [
@@ -873,7 +835,7 @@ impl<S: Source> SingleNode<S> {
                     &self.inner.config.fence_idle_ms(),
                 ];
                 match self.run_script("release", &RELEASE, &keys, &args).await {
-                    Err(error) if is_key_refused(&error) => self.refuse_queue(&error),
+                    Err(error) if is_key_refused(&error) => self.inner.queue_rights.refuse(&error),
                     answer => return release_outcome(answer?),
                 }
             }
@@ -891,20 +853,6 @@ impl<S: Source> SingleNode<S> {
             i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
         };
         release_outcome(answer)
-    }
-
-    /// Whether releases may touch the fair queue's keys: the ACL has not
-    /// refused them \[F6\].
-    fn queue_allowed(&self) -> bool {
-        !self.inner.queue_refused.load(Ordering::Relaxed)
-    }
-
-    /// The ACL refused the fair queue's keys to a release: the releases
-    /// leave them out from now on, and the log says so once \[F6\].
-    fn refuse_queue(&self, error: &BackendError) {
-        if !self.inner.queue_refused.swap(true, Ordering::Relaxed) {
-            tracing::warn!(error = %lock_core::ErrorChain(error), "the ACL refuses the fair queue's keys; releases free the key without granting it to a queued waiter (add the queue's key patterns to the user: see lock-redis's README)");
-        }
     }
 
     /// The step of [`LockBackend::try_acquire_queued`].
@@ -944,6 +892,7 @@ impl<S: Source> SingleNode<S> {
             owner.as_str(),
             &self.inner.channel,
             &self.inner.config.fence_idle_ms(),
+            "PUBLISH",
         ];
         let _handed_on: i64 = self
             .run_script("leaving the queue", &LEAVE_QUEUE, &keys, &args)

@@ -483,3 +483,27 @@ async fn f5_a_client_polling_outside_the_queue_is_not_starved() {
         "the queued nodes kept the key busy: {turns:?} turns (outsider waited {waited:?})"
     );
 }
+
+/// With `RedisConfig::durability`, every Redis backend waits unqueued: a
+/// grant is taken up without a round trip, so no `WAIT` would cover it
+/// (README, "The fair queue"). Without it, each keeps the queue.
+#[test]
+fn f1_with_durability_waiting_is_unqueued() {
+    let durable = RedisConfig::default()
+        .durability(lock_redis::Durability::new(1, Duration::from_millis(200)));
+    let url = "redis://127.0.0.1:6379";
+    let single = |config| {
+        RedisBackend::from_url_with(url, config)
+            .unwrap()
+            .capabilities()
+    };
+    let cluster = |config| {
+        lock_redis::RedisClusterBackend::from_urls_with([url], config)
+            .unwrap()
+            .capabilities()
+    };
+    assert!(single(RedisConfig::default()).fair_queue);
+    assert!(!single(durable.clone()).fair_queue);
+    assert!(cluster(RedisConfig::default()).fair_queue);
+    assert!(!cluster(durable).fair_queue);
+}

@@ -69,3 +69,65 @@ fn d3_the_cluster_lock_user_has_no_more_rights_than_listed() {
         assert!(scan.is_err(), "the lock user cannot list keys: {scan:?}");
     }
 }
+
+/// SPEC F6 on a Cluster: a user made by the Cluster row of a release
+/// before the fair queue (no queue key patterns, none of its commands)
+/// waits unqueued. Its queued attempt is refused (`NOPERM`), the driver
+/// waits unqueued from then on, the holder's release, refused the queue's
+/// keys, is sent again without them, and the waiter gets the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f6_a_cluster_user_without_the_queues_rights_waits_unqueued() {
+    use std::time::Duration;
+
+    use common::{node, within};
+    use lock_core::LockConfig;
+
+    const LIMIT: Duration = Duration::from_secs(20);
+    let older: Vec<&str> = CLUSTER
+        .iter()
+        .copied()
+        .filter(|rule| !rule.contains("withlock-queue") && !rule.contains("withlock-waiters"))
+        .filter(|rule| {
+            !matches!(
+                *rule,
+                "+pttl"
+                    | "+exists"
+                    | "+zrange"
+                    | "+zadd"
+                    | "+zrem"
+                    | "+zscore"
+                    | "+hget"
+                    | "+hset"
+                    | "+hdel"
+            )
+        })
+        .collect();
+    for cluster_node in CLUSTER_OF_OUR_OWN.nodes() {
+        let mut conn = cluster_node.client().unwrap().get_connection().unwrap();
+        set_user(&mut conn, "older-locker", "older-secret", &[&older]);
+    }
+    let key = "fair f6 cluster";
+    let holder = node(backend_as("older-locker", "older-secret").await, "holder");
+    let counting =
+        lock_conformance::CountingBackend::new(backend_as("older-locker", "older-secret").await);
+    let waiter = node(counting.clone(), "waiter");
+    let mut held = holder.handle(key, Duration::from_secs(30)).unwrap();
+    assert!(held.acquire().await.unwrap());
+    let waiting = tokio::spawn(async move {
+        let cfg = LockConfig::default().wait_forever();
+        waiter.with_lock_config(key, &cfg, |_| async {}).await
+    });
+    // The plain attempt and the queued one (refused: NOPERM) answered,
+    // then an unqueued one.
+    within(
+        LIMIT,
+        "the waiter's attempts",
+        counting.until_answered(lock_conformance::Step::TryAcquire, 3),
+    )
+    .await;
+    assert!(held.release().await.unwrap());
+    within(LIMIT, "the waiter gets the key", waiting)
+        .await
+        .unwrap()
+        .expect("waiting works without the queue's rights");
+}

@@ -13,6 +13,8 @@
 //!   is broken, and the connections the Cluster backend opens itself;
 //! - [`driver`]: the runtime of the crate's own that drives every
 //!   connection and background task, whichever runtime a step runs on;
+//! - [`queue`]: the fair queue's keys, a queued attempt's answer, and the
+//!   switch that leaves the queue out for a user whose ACL refuses it;
 //! - [`redact`]: what `Debug` shows of a password;
 //! - [`task`]: the background task a release subscription runs, started by
 //!   the first watch and ended with the backend, and the hand-off of a
@@ -21,6 +23,7 @@
 pub(crate) mod connection;
 pub(crate) mod driver;
 pub(crate) mod errors;
+pub(crate) mod queue;
 pub(crate) mod redact;
 pub(crate) mod scripts;
 pub(crate) mod task;

@@ -52,6 +52,8 @@ pub const CLUSTER: &[&str] = &[
     "~jobs:*",
     "~{*}:withlock-fence:jobs:*",
     "~{*}:withlock-kept:jobs:*",
+    "~{*}:withlock-queue:jobs:*",
+    "~{*}:withlock-waiters:jobs:*",
     "resetchannels",
     "&{*}:jobs:withlock:released",
     "-@all",
@@ -73,6 +75,15 @@ pub const CLUSTER: &[&str] = &[
     "+cluster|nodes",
     "+cluster|info",
     "+asking",
+    "+pttl",
+    "+exists",
+    "+zrange",
+    "+zadd",
+    "+zrem",
+    "+zscore",
+    "+hget",
+    "+hset",
+    "+hdel",
 ];
 
 /// What an operator (`withlock list`, `inspect`, `release --force`) needs
