@@ -2,7 +2,7 @@
 -- table, and the three steps that change it as functions.
 --
 -- The placeholders in double braces are the lock table (`table`) and the
--- queue's objects beside it (`waiters`, `queue_step`, `release`, `leave`:
+-- queue's objects beside it (`waiters`, `queue_v1`, `release_v1`, `leave_v1`:
 -- `<table>_waiters`, `<table>_queue_v1`, ...), each schema-qualified and
 -- quoted as an identifier, and dollar-quote tags that occur in none of the
 -- names (`do`, `body`). No comment holds a placeholder: a name may hold a
@@ -44,7 +44,7 @@ BEGIN
     -- holder's time left in microseconds to the queue's head only, and the
     -- last fencing token drawn for the key (the row's `sequence`): a grant
     -- with a greater one was made after this answer.
-    CREATE FUNCTION {{queue_step}}(
+    CREATE FUNCTION {{queue_v1}}(
         p_key text, p_owner text, p_ttl_us bigint, p_ticket_ttl_us bigint, p_claim_us bigint,
         OUT fencing_token bigint, OUT expires_us bigint, OUT last_token bigint)
     LANGUAGE plpgsql VOLATILE AS {{body}}
@@ -116,7 +116,7 @@ BEGIN
     -- its key announced on p_channel, as a plain release. A row whose
     -- holder's time ran out is freed, not granted. Returns whether the
     -- lease was still valid; NULL when p_owner did not hold the row.
-    CREATE FUNCTION {{release}}(p_key text, p_owner text, p_channel text, p_grant_channel text)
+    CREATE FUNCTION {{release_v1}}(p_key text, p_owner text, p_channel text, p_grant_channel text)
     RETURNS boolean LANGUAGE plpgsql VOLATILE AS {{body}}
     DECLARE
         t timestamp without time zone;
@@ -162,7 +162,7 @@ BEGIN
     -- take up is handed on as a release would; a free row whose queue
     -- still has a live place is announced, so that the next waiter tries
     -- at once.
-    CREATE FUNCTION {{leave}}(p_key text, p_owner text, p_channel text, p_grant_channel text)
+    CREATE FUNCTION {{leave_v1}}(p_key text, p_owner text, p_channel text, p_grant_channel text)
     RETURNS void LANGUAGE plpgsql VOLATILE AS {{body}}
     DECLARE
         t timestamp without time zone;
@@ -174,7 +174,7 @@ BEGIN
         DELETE FROM {{waiters}} AS w WHERE w.key = p_key AND w.owner = p_owner;
         t := clock_timestamp() AT TIME ZONE 'UTC';
         IF held_by = p_owner THEN
-            PERFORM {{release}}(p_key, p_owner, p_channel, p_grant_channel);
+            PERFORM {{release_v1}}(p_key, p_owner, p_channel, p_grant_channel);
         ELSIF (held_by IS NULL OR held_until < t)
               AND EXISTS (SELECT 1 FROM {{waiters}} AS w WHERE w.key = p_key AND w.alive_until >= t) THEN
             PERFORM pg_notify(p_channel, p_key);

@@ -239,7 +239,7 @@ impl PostgresBackend {
     /// release), for review: they read the time from the database only and
     /// bind only the key, the owner token, a duration in microseconds and
     /// the channels. (The fair queue's steps call the functions that
-    /// `migrations/0002_create_waiters.sql` creates.)
+    /// `migrations/0003_leave_gaps.sql` creates.)
     pub fn statements(&self) -> [&str; 4] {
         self.inner.sql.all()
     }
@@ -408,10 +408,11 @@ fn micros_left(us: Option<i64>) -> Option<Duration> {
         .map(Duration::from_micros)
 }
 
-/// Whether the queue's release failed for want of the queue's table,
-/// function or rights \[F6\]: undefined table (42P01), undefined function
-/// (42883), insufficient privilege (42501). The statement failed whole,
-/// so nothing was released.
+/// Whether the queue's release failed for want of the queue's tables,
+/// functions or rights \[F6\]: undefined table (42P01: the waiters or the
+/// runs table), undefined function (42883: a table migrated only to 0002
+/// has no `_v2` functions), insufficient privilege (42501). The statement
+/// failed whole, so nothing was released.
 fn queue_missing(error: &BackendError) -> bool {
     sqlstate(error).is_some_and(|code| matches!(code.as_str(), "42P01" | "42883" | "42501"))
 }
@@ -610,7 +611,9 @@ impl LockBackend for PostgresBackend {
 
     /// With notifications on, one statement that releases as before when
     /// the key has no live place in its queue, and grants the key to the
-    /// queue's head otherwise \[F1\]. A store without the queue's table,
+    /// queue's head otherwise \[F1\], unless the key's grants in a row
+    /// have lasted 10 s: it is then left free for 600 ms \[F5\] (see the
+    /// crate's "The fair queue"). A store without the queue's table,
     /// function or rights (an upgrade without `migrate`, a role without
     /// rights on the waiters table) fails that statement whole: the
     /// release then goes without the queue, now and from then on (until
@@ -629,8 +632,8 @@ impl LockBackend for PostgresBackend {
                             error = %lock_core::ErrorChain(&error),
                             "the store refused the fair queue's release; releases of this backend \
                              grant nothing from now on (run the backend's migrate, or give the lock \
-                             user SELECT, INSERT, UPDATE and DELETE on the waiters table; see the \
-                             lock-postgres README)"
+                             user SELECT, INSERT, UPDATE and DELETE on the waiters and streaks \
+                             tables; see the lock-postgres README)"
                         );
                     }
                 }
@@ -682,16 +685,18 @@ impl LockBackend for PostgresBackend {
         Ok(watch)
     }
 
-    /// One call of the queue's function `<table>_queue_v1` (see the
-    /// migration `0002_create_waiters.sql`): one autocommit statement, one
-    /// round trip. It locks the key's row (made, free, if missing) so that
-    /// the queue's steps on one key run one after the other, then takes
-    /// up a grant, takes the free row when no live place is ahead (with
-    /// the fencing token rule of `try_acquire`), or keeps the waiter's
-    /// place (its ticket kept, its life renewed for the ticket ttl) and
-    /// answers busy, with the holder's time left to the queue's head only
-    /// and the last fencing token drawn for the key (the row's
-    /// `sequence`: a grant announced with a greater one came after).
+    /// One call of the queue's function `<table>_queue_v2` (see the
+    /// migrations `0002_create_waiters.sql` and `0003_leave_gaps.sql`):
+    /// one autocommit statement, one round trip. It locks the key's row
+    /// (made, free, if missing) so that the queue's steps on one key run
+    /// one after the other, then takes up a grant, takes the free row when
+    /// no live place is ahead and the key is not in a gap left for
+    /// clients outside the queue \[F5\] (with the fencing token rule of
+    /// `try_acquire`), or keeps the waiter's place (its ticket kept, its
+    /// life renewed for the ticket ttl) and answers busy, with the
+    /// holder's time left, or the gap's, to the queue's head only and the
+    /// last fencing token drawn for the key (the row's `sequence`: a
+    /// grant announced with a greater one came after).
     /// A store without the queue's table, function or rights fails with
     /// kind [`Setup`](BackendErrorKind::Setup), in the database's words
     /// \[F6\]; the driver then waits unqueued.
@@ -726,7 +731,7 @@ impl LockBackend for PostgresBackend {
         }
     }
 
-    /// One call of the queue's function `<table>_leave_v1`: removes the
+    /// One call of the queue's function `<table>_leave_v2`: removes the
     /// place; a grant to `owner` not taken up is handed on as a release
     /// would; a free key whose queue still has a live place is announced.
     async fn leave_queue(&self, key: &str, owner: &OwnerToken) -> Result<(), BackendError> {

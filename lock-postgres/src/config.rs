@@ -152,26 +152,39 @@ impl PostgresConfig {
 pub(crate) struct QueueNames {
     /// The waiters table.
     pub(crate) waiters: String,
+    /// The runs table: when each key's current run of grants began, and
+    /// until when a key is left free after a long one \[F5\].
+    pub(crate) streaks: String,
     /// The function of one queued attempt.
     pub(crate) queue_step: String,
     /// The function of a release that grants the key to the queue's head.
     pub(crate) release: String,
     /// The function of a waiter leaving the queue.
     pub(crate) leave: String,
+    /// The functions of the earlier version (`_v1`: queued attempt,
+    /// release, leave), which the migration still makes, for nodes of
+    /// that version during a rolling upgrade; the backend calls none.
+    pub(crate) earlier: [String; 3],
     /// The `NOTIFY` channel of grants (not quoted: a channel name).
     pub(crate) grant_channel: String,
 }
 
 /// The suffix of the waiters table's name.
 const WAITERS_SUFFIX: &str = "_waiters";
+/// The suffix of the runs table's name.
+const STREAKS_SUFFIX: &str = "_streaks";
 /// The suffix of the grant channel's name.
 const GRANT_SUFFIX: &str = "_grant";
-/// The suffixes of the queue's functions. The `_v1` is their version: a
-/// later crate that changes a function's body gives it a new name, so
-/// nodes of both versions can share the table during a rolling upgrade.
-const QUEUE_STEP_SUFFIX: &str = "_queue_v1";
-const RELEASE_SUFFIX: &str = "_release_v1";
-const LEAVE_SUFFIX: &str = "_leave_v1";
+/// The suffixes of the queue's functions. The `_v2` is their version: a
+/// crate that changes a function's body gives it a new name, so nodes of
+/// both versions can share the table during a rolling upgrade. `_v2`
+/// (`migrations/0003`) added the gap of \[F5\] to `_v1`'s
+/// (`migrations/0002`).
+const QUEUE_STEP_SUFFIX: &str = "_queue_v2";
+const RELEASE_SUFFIX: &str = "_release_v2";
+const LEAVE_SUFFIX: &str = "_leave_v2";
+/// The earlier version's: queued attempt, release, leave.
+const EARLIER_SUFFIXES: [&str; 3] = ["_queue_v1", "_release_v1", "_leave_v1"];
 
 /// `name` followed by `suffix`, as one identifier of at most
 /// [`MAX_IDENTIFIER_LEN`] bytes: when the two are longer, `name` is cut
@@ -198,9 +211,10 @@ impl PostgresConfig {
     /// table's schema: the table's name followed by `_waiters` (a name
     /// longer than 55 bytes is cut and followed by a hash of the whole
     /// name, so that the result fits in 63 bytes). [`migrate`] creates it
-    /// beside the lock table, with the queue's three functions
-    /// (`<table>_queue_v1`, `<table>_release_v1`, `<table>_leave_v1`,
-    /// named by the same rule).
+    /// beside the lock table, with the runs table `<table>_streaks` and
+    /// the queue's three functions (`<table>_queue_v2`,
+    /// `<table>_release_v2`, `<table>_leave_v2`, and the earlier
+    /// version's `_v1`), named by the same rule.
     ///
     /// ```
     /// use lock_postgres::PostgresConfig;
@@ -215,6 +229,22 @@ impl PostgresConfig {
     /// [`migrate`]: crate::PostgresBackend::migrate
     pub fn waiters_table(&self) -> String {
         derived_name(&self.table, WAITERS_SUFFIX)
+    }
+
+    /// The name of the fair queue's runs table \[F5\], beside the
+    /// waiters table: the table's name followed by `_streaks` (by the rule
+    /// of [`waiters_table`](Self::waiters_table) when that is too long).
+    /// One row per key whose queue granted it lately: when its current
+    /// run of grants began, and until when the key is left free for
+    /// clients outside the queue after a long one.
+    ///
+    /// ```
+    /// use lock_postgres::PostgresConfig;
+    ///
+    /// assert_eq!(PostgresConfig::default().streaks_table(), "locks_streaks");
+    /// ```
+    pub fn streaks_table(&self) -> String {
+        derived_name(&self.table, STREAKS_SUFFIX)
     }
 
     /// [`waiters_table`](Self::waiters_table), schema-qualified and quoted
@@ -249,9 +279,11 @@ impl PostgresConfig {
         };
         Ok(QueueNames {
             waiters: qualified(WAITERS_SUFFIX),
+            streaks: qualified(STREAKS_SUFFIX),
             queue_step: qualified(QUEUE_STEP_SUFFIX),
             release: qualified(RELEASE_SUFFIX),
             leave: qualified(LEAVE_SUFFIX),
+            earlier: EARLIER_SUFFIXES.map(qualified),
             grant_channel: self.grant_channel(),
         })
     }
@@ -318,9 +350,18 @@ mod tests {
         assert_eq!(short.waiters_table(), "job_locks_waiters");
         assert_eq!(short.grant_channel(), "withlock_release_grant");
         let names = short.queue_names().unwrap();
-        assert_eq!(names.queue_step, r#""public"."job_locks_queue_v1""#);
-        assert_eq!(names.release, r#""public"."job_locks_release_v1""#);
-        assert_eq!(names.leave, r#""public"."job_locks_leave_v1""#);
+        assert_eq!(names.streaks, r#""public"."job_locks_streaks""#);
+        assert_eq!(names.queue_step, r#""public"."job_locks_queue_v2""#);
+        assert_eq!(names.release, r#""public"."job_locks_release_v2""#);
+        assert_eq!(names.leave, r#""public"."job_locks_leave_v2""#);
+        assert_eq!(
+            names.earlier,
+            [
+                r#""public"."job_locks_queue_v1""#,
+                r#""public"."job_locks_release_v1""#,
+                r#""public"."job_locks_leave_v1""#
+            ]
+        );
         // Exactly 63 bytes still fits with the suffix cut in.
         let fits = "t".repeat(MAX_IDENTIFIER_LEN - WAITERS_SUFFIX.len());
         assert_eq!(
@@ -331,7 +372,7 @@ mod tests {
         // characters at the cut; two names with one beginning differ.
         let long_a = format!("{}a", "é".repeat(31));
         let long_b = format!("{}b", "é".repeat(31));
-        for suffix in [WAITERS_SUFFIX, GRANT_SUFFIX, RELEASE_SUFFIX] {
+        for suffix in [WAITERS_SUFFIX, GRANT_SUFFIX, RELEASE_SUFFIX, STREAKS_SUFFIX] {
             let (a, b) = (derived_name(&long_a, suffix), derived_name(&long_b, suffix));
             assert!(a.len() <= MAX_IDENTIFIER_LEN && b.len() <= MAX_IDENTIFIER_LEN);
             assert!(a.ends_with(suffix) && a.starts_with("éé"));

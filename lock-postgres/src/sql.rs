@@ -5,9 +5,10 @@
 //! writes it. The client sends only the key, the owner token, durations as
 //! numbers of microseconds and the channels, never a timestamp.
 //!
-//! The fair queue's steps are functions that `migrations/0002` creates
-//! (each statement of one reads what committed before it ran, after the
-//! function locked the key's row): here they are one call each.
+//! The fair queue's steps are functions that `migrations/0003` creates
+//! (`_v2`: 0002's, with the gap of \[F5\]; each statement of one reads
+//! what committed before it ran, after the function locked the key's
+//! row): here they are one call each.
 
 use crate::config::QueueNames;
 
@@ -42,6 +43,10 @@ pub(crate) const MIGRATIONS: &[(&str, &str)] = &[
         "0002_create_waiters.sql",
         include_str!("../migrations/0002_create_waiters.sql"),
     ),
+    (
+        "0003_leave_gaps.sql",
+        include_str!("../migrations/0003_leave_gaps.sql"),
+    ),
 ];
 
 /// The text of a migration for `table` and its queue's `names`: each
@@ -53,9 +58,13 @@ pub(crate) fn render_migration(text: &str, table: &str, names: &QueueNames) -> S
     let all = [
         table,
         &names.waiters,
+        &names.streaks,
         &names.queue_step,
         &names.release,
         &names.leave,
+        &names.earlier[0],
+        &names.earlier[1],
+        &names.earlier[2],
     ];
     let tag = |base: &str| {
         (0u32..)
@@ -70,9 +79,13 @@ pub(crate) fn render_migration(text: &str, table: &str, names: &QueueNames) -> S
     let value = |placeholder: &str| match placeholder {
         "table" => Some(table),
         "waiters" => Some(names.waiters.as_str()),
-        "queue_step" => Some(names.queue_step.as_str()),
-        "release" => Some(names.release.as_str()),
-        "leave" => Some(names.leave.as_str()),
+        "streaks" => Some(names.streaks.as_str()),
+        "queue_v1" => Some(names.earlier[0].as_str()),
+        "release_v1" => Some(names.earlier[1].as_str()),
+        "leave_v1" => Some(names.earlier[2].as_str()),
+        "queue_v2" => Some(names.queue_step.as_str()),
+        "release_v2" => Some(names.release.as_str()),
+        "leave_v2" => Some(names.leave.as_str()),
         "do" => Some(do_tag.as_str()),
         "body" => Some(body_tag.as_str()),
         _ => None,
@@ -320,12 +333,25 @@ mod tests {
         let table = config.qualified_table().unwrap();
         let names = config.queue_names().unwrap();
         let text = render_migration(MIGRATIONS[1].1, &table, &names);
-        // Every placeholder of the template is replaced, none of the
+        let gaps = render_migration(MIGRATIONS[2].1, &table, &names);
+        // Every placeholder of the templates is replaced, none of the
         // names' own braces.
-        for placeholder in ["{{waiters}}", "{{queue_step}}", "{{release}}", "{{leave}}"] {
+        for placeholder in [
+            "{{waiters}}",
+            "{{streaks}}",
+            "{{queue_v1}}",
+            "{{release_v1}}",
+            "{{leave_v1}}",
+            "{{queue_v2}}",
+            "{{release_v2}}",
+            "{{leave_v2}}",
+        ] {
             assert!(!text.contains(placeholder), "{placeholder}");
+            assert!(!gaps.contains(placeholder), "{placeholder}");
         }
-        assert!(text.contains(&names.waiters) && text.contains(&names.queue_step));
+        assert!(text.contains(&names.waiters) && text.contains(&names.earlier[0]));
+        assert!(gaps.contains(&names.streaks) && gaps.contains(&names.queue_step));
+        assert!(gaps.contains("AS $withlock_body1$"));
         assert!(text.contains(r#""s"."odd {{do}} $withlock_body$ {{table}}""#));
         // The tags the names hold are not used: the bodies are quoted with
         // the next ones.
@@ -342,5 +368,18 @@ mod tests {
         assert!(text.contains(r#"CREATE FUNCTION "public"."locks_queue_v1"("#));
         assert!(text.contains("AS $withlock_body$"));
         assert!(!text.contains("{{"));
+        // 0003: the runs table and the `_v2` functions; the leave calls
+        // the `_v2` release.
+        let gaps = render_migration(
+            MIGRATIONS[2].1,
+            &plain.qualified_table().unwrap(),
+            &plain.queue_names().unwrap(),
+        );
+        assert!(gaps.contains(r#"CREATE TABLE IF NOT EXISTS "public"."locks_streaks" ("#));
+        for function in ["queue_v2", "release_v2", "leave_v2"] {
+            assert!(gaps.contains(&format!(r#"CREATE FUNCTION "public"."locks_{function}"("#)));
+        }
+        assert!(gaps.contains(r#"PERFORM "public"."locks_release_v2"("#));
+        assert!(!gaps.contains("_v1") && !gaps.contains("{{"));
     }
 }

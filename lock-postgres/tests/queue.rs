@@ -13,8 +13,8 @@
 
 mod common;
 
-use common::{admin, Role};
-use std::sync::atomic::Ordering;
+use common::{admin, Role, Ruby};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +23,7 @@ use lock_core::{
     OwnerToken, QueueTerms, ReleaseOutcome, ReleaseWatch,
 };
 use lock_postgres::testing::TestBackend;
-use lock_postgres::{PostgresBackend, PostgresConfig};
+use lock_postgres::{quote_identifier, PostgresBackend, PostgresConfig};
 use sqlx::Row;
 use tokio::time::Instant;
 use withlock_test_servers::postgres::database_url;
@@ -32,6 +32,8 @@ use withlock_test_servers::postgres::database_url;
 const SOON: Duration = Duration::from_secs(10);
 const TTL: Duration = Duration::from_secs(30);
 const TERMS: QueueTerms = QueueTerms::DEFAULT;
+/// The owner id Ruby's Locker gem writes (`host:<host> pid:<pid> guid:<uuid>`).
+const GEM: &str = "host:ruby pid:1 guid:0123456789abcdef0123456789abcdef";
 
 fn key(name: &str) -> String {
     format!("{name}:{:016x}", rand::random::<u64>())
@@ -66,6 +68,52 @@ async fn places(backend: &TestBackend, key: &str) -> Vec<(String, i64)> {
     .fetch_all(backend.pool())
     .await
     .unwrap()
+}
+
+/// The quoted, qualified name of the queue's runs table \[F5\].
+fn streaks_table(backend: &TestBackend) -> String {
+    let config = backend.config();
+    format!(
+        "{}.{}",
+        quote_identifier(&config.schema),
+        quote_identifier(&config.streaks_table())
+    )
+}
+
+/// The record of `key`'s run of grants \[F5\]: (its start in ms before
+/// now, the fencing token of its last grant, the gap's end in ms from
+/// now); `None` when there is none.
+async fn run_of(
+    backend: &TestBackend,
+    key: &str,
+) -> Option<(Option<f64>, Option<i64>, Option<f64>)> {
+    let streaks = streaks_table(backend);
+    sqlx::query_as(&format!(
+        "SELECT (extract(epoch FROM (clock_timestamp() AT TIME ZONE 'UTC' - began)) * 1000)::float8, \
+         last_token, \
+         (extract(epoch FROM (gap_until - clock_timestamp() AT TIME ZONE 'UTC')) * 1000)::float8 \
+         FROM {streaks} WHERE key = $1"
+    ))
+    .bind(key)
+    .fetch_optional(backend.pool())
+    .await
+    .unwrap()
+}
+
+/// Moves the start of `key`'s run of grants back by `by`, as if its
+/// grants in a row had lasted that much longer.
+async fn backdate_run(backend: &TestBackend, key: &str, by: Duration) {
+    let moved = sqlx::query(&format!(
+        "UPDATE {} SET began = began - $2 * interval '1 microsecond' \
+         WHERE key = $1 AND began IS NOT NULL",
+        streaks_table(backend)
+    ))
+    .bind(key)
+    .bind(i64::try_from(by.as_micros()).unwrap())
+    .execute(backend.pool())
+    .await
+    .unwrap();
+    assert_eq!(moved.rows_affected(), 1, "a run of grants is recorded");
 }
 
 /// The lock row of `key`: (locked_by, sequence, locked_until - now in ms).
@@ -424,27 +472,253 @@ async fn f5_the_gem_cannot_take_a_granted_row() {
     let lease = Lease::new(k.as_str(), holder, first);
     backend.release(&lease).await.unwrap();
     assert_eq!(row(&backend, &k).await.0.as_deref(), Some(waiter.as_str()));
-    let table = backend.qualified_table();
-    let get = format!(
-        "UPDATE {table} SET locked_by = $2, \
-         locked_at = clock_timestamp() at time zone 'UTC', \
-         locked_until = clock_timestamp() at time zone 'UTC' + interval '30 seconds', \
-         sequence = sequence + 1 \
-         WHERE key = $1 AND (locked_by IS NULL OR locked_by = $2 \
-         OR locked_until < clock_timestamp() at time zone 'UTC')"
-    );
-    let done = sqlx::query(&get)
-        .bind(&k)
-        .bind("host:ruby pid:1 guid:0123456789abcdef0123456789abcdef")
-        .execute(backend.pool())
-        .await
-        .unwrap();
-    assert_eq!(
-        done.rows_affected(),
-        0,
+    let ruby = Ruby::new(backend.qualified_table()).await;
+    assert!(
+        !ruby.run(&ruby.get, &k, GEM).await,
         "the gem is refused the granted row"
     );
     assert_eq!(row(&backend, &k).await.0.as_deref(), Some(waiter.as_str()));
+}
+
+/// \[F5\] By hand: a release that would go on with a run of grants begun
+/// 10 s before grants nothing: the row is freed, with no new token and
+/// no announcement; the queue's head keeps its place and is told the
+/// gap's time left, a waiter behind it nothing; a client outside the
+/// queue takes the key in the gap, and its release grants the key to the
+/// head, beginning a new run. Left alone, a gap ends and the head takes
+/// the key then, ending the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f5_a_release_after_10_s_of_grants_leaves_the_key_free_for_a_gap() {
+    let backend = TestBackend::new(&database_url()).await.unwrap();
+    let k = key("f5-gap");
+    let holder = OwnerToken::new("holder");
+    let first = acquired(&backend, &k, &holder).await;
+    let (a, b) = (OwnerToken::new("node-a"), OwnerToken::new("node-b"));
+    assert!(queued(&backend, &k, &a, TERMS).await.is_busy());
+    assert!(queued(&backend, &k, &b, TERMS).await.is_busy());
+    let mut watch = backend.watch_release(&k).await.unwrap();
+    // The first grant begins a run.
+    backend
+        .release(&Lease::new(k.as_str(), holder, first))
+        .await
+        .unwrap();
+    let to_a = woken(&mut watch).await.expect("a grant");
+    assert_eq!(&*to_a.owner, a.as_str());
+    let (began, last, gap) = run_of(&backend, &k).await.expect("the run is recorded");
+    assert!(began.is_some_and(|ms| ms < SOON.as_secs_f64() * 1000.0));
+    assert_eq!(last, Some(i64::try_from(to_a.fencing_token).unwrap()));
+    assert_eq!(gap, None);
+    assert_eq!(
+        queued(&backend, &k, &a, TERMS).await,
+        AcquireOutcome::Acquired {
+            fencing_token: to_a.fencing_token
+        }
+    );
+
+    // 10 s of grants in a row: a's release leaves the key free.
+    backdate_run(&backend, &k, Duration::from_secs(10)).await;
+    assert_eq!(
+        backend
+            .release(&Lease::new(k.as_str(), a.clone(), to_a.fencing_token))
+            .await
+            .unwrap(),
+        ReleaseOutcome::Released
+    );
+    let (by, sequence, _) = row(&backend, &k).await;
+    assert_eq!(by, None, "the key is left free");
+    assert_eq!(u64::try_from(sequence).unwrap(), to_a.fencing_token);
+    let (began, last, gap) = run_of(&backend, &k).await.unwrap();
+    assert_eq!((began, last), (None, None), "the run ended");
+    assert!(gap.is_some_and(|ms| ms <= 600.0), "{gap:?}");
+    // The head keeps its place and waits the gap out; the waiter behind
+    // it is told nothing.
+    let gap = expires_in(queued(&backend, &k, &b, TERMS).await).expect("the gap's time left");
+    assert!(gap <= Duration::from_millis(600), "{gap:?}");
+    let c = OwnerToken::new("node-c");
+    assert_eq!(expires_in(queued(&backend, &k, &c, TERMS).await), None);
+    assert_eq!(row(&backend, &k).await.0, None, "nobody queued took it");
+    assert_eq!(
+        places(&backend, &k)
+            .await
+            .iter()
+            .map(|(o, _)| o.as_str())
+            .collect::<Vec<_>>(),
+        [b.as_str(), c.as_str()]
+    );
+    // A client outside the queue takes it, with a greater token; its
+    // release grants the key to the head: the first announcement since
+    // the grant to `a` (the gap announced nothing).
+    let outside = OwnerToken::new("outside");
+    let taken = acquired(&backend, &k, &outside).await;
+    assert!(taken > to_a.fencing_token);
+    backend
+        .release(&Lease::new(k.as_str(), outside, taken))
+        .await
+        .unwrap();
+    let to_b = woken(&mut watch)
+        .await
+        .expect("a grant, and nothing before it");
+    assert_eq!(&*to_b.owner, b.as_str());
+    assert!(to_b.fencing_token > taken);
+    let (began, last, gap) = run_of(&backend, &k).await.unwrap();
+    assert!(
+        began.is_some_and(|ms| ms < SOON.as_secs_f64() * 1000.0),
+        "a new run"
+    );
+    assert_eq!(last, Some(i64::try_from(to_b.fencing_token).unwrap()));
+    assert_eq!(gap, None);
+
+    // Another gap, which nobody outside takes: the head (`c`) is told
+    // its time left, tries again then, as the driver does [A9], and
+    // takes the key, with a greater token; the run's record goes.
+    assert_eq!(
+        queued(&backend, &k, &b, TERMS).await,
+        AcquireOutcome::Acquired {
+            fencing_token: to_b.fencing_token
+        }
+    );
+    backdate_run(&backend, &k, Duration::from_secs(10)).await;
+    backend
+        .release(&Lease::new(k.as_str(), b, to_b.fencing_token))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + SOON;
+    let mut told = Vec::new();
+    let token = loop {
+        match queued(&backend, &k, &c, TERMS).await {
+            AcquireOutcome::Acquired { fencing_token } => break fencing_token,
+            AcquireOutcome::Busy { expires_in, .. } => {
+                let left = expires_in.expect("the head is told the gap's time left");
+                told.push(left);
+                assert!(Instant::now() < deadline, "the gap never ended: {told:?}");
+                tokio::time::sleep(left + Duration::from_millis(5)).await;
+            }
+        }
+    };
+    assert!(
+        told.first()
+            .is_some_and(|left| *left <= Duration::from_millis(600)),
+        "the head waited the gap out: {told:?}"
+    );
+    assert!(token > to_b.fencing_token);
+    assert_eq!(run_of(&backend, &k).await, None);
+    assert!(places(&backend, &k).await.is_empty());
+}
+
+/// \[F5\] Ruby's Locker gem polls a hot key outside the queue, with its
+/// own `get` every 0.5 s as the gem does, while four nodes (each its own
+/// backend) keep the key busy through the queue, calling `with_lock`
+/// again as soon as each call ends. The gem gets the key within the
+/// bound the README documents: 10 s of grants in a row, the hold that
+/// ends the run (5 ms here), the 600 ms gap and one poll interval, plus a
+/// margin for a loaded machine. The queue still holds places when it
+/// does (the gap, not a queue run dry); no two holders at once, the gem
+/// included; and the nodes go on once the gem has released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f5_the_gems_poller_gets_a_hot_key_within_the_bound() {
+    const NODES: usize = 4;
+    const STREAK: Duration = Duration::from_secs(10);
+    const GAP: Duration = Duration::from_millis(600);
+    const POLL: Duration = Duration::from_millis(500);
+    const SECTION: Duration = Duration::from_millis(5);
+    // A gap the poller missed on a loaded machine (its poll late by more
+    // than the 100 ms the gap leaves it) costs one more run.
+    const MARGIN: Duration = Duration::from_secs(12);
+    let bound = STREAK + SECTION + GAP + POLL + MARGIN;
+    let first = TestBackend::new(&database_url()).await.unwrap();
+    let k = key("f5-hot");
+    // Holders of the key now, the gem included.
+    let holders = Arc::new(AtomicUsize::new(0));
+    let turns = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for n in 0..NODES {
+        let backend =
+            PostgresBackend::from_url_with(&database_url(), first.config().clone()).unwrap();
+        let locker =
+            Locker::with_options(backend, LockerOptions::default().node_id(format!("n{n}")))
+                .unwrap();
+        let (k, holders, turns, stop) = (
+            k.clone(),
+            Arc::clone(&holders),
+            Arc::clone(&turns),
+            Arc::clone(&stop),
+        );
+        tasks.push(tokio::spawn(async move {
+            let forever = LockConfig::default().wait_forever();
+            while !stop.load(Ordering::SeqCst) {
+                let (holders, turns) = (Arc::clone(&holders), Arc::clone(&turns));
+                let call = locker.with_lock_config(&k, &forever, |_| async move {
+                    assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                    tokio::time::sleep(SECTION).await;
+                    turns.fetch_add(1, Ordering::SeqCst);
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                });
+                tokio::time::timeout(Duration::from_secs(60), call)
+                    .await
+                    .expect("every call is served")
+                    .unwrap();
+            }
+        }));
+    }
+    // The queue is going: a node waits in it.
+    let deadline = Instant::now() + SOON;
+    while places(&first, &k).await.is_empty() {
+        assert!(Instant::now() < deadline, "nobody ever queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let ruby = Ruby::new(first.qualified_table()).await;
+    let started = Instant::now();
+    let (polls, waited) = {
+        let mut polls = 1;
+        while !ruby.run(&ruby.get, &k, GEM).await {
+            assert!(
+                started.elapsed() < bound,
+                "the gem polled {polls} times in {:?} without getting the key \
+                 ({} turns of the nodes meanwhile)",
+                started.elapsed(),
+                turns.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(POLL).await;
+            polls += 1;
+        }
+        (polls, started.elapsed())
+    };
+    assert_eq!(
+        holders.fetch_add(1, Ordering::SeqCst),
+        0,
+        "the gem got the key while a node held it"
+    );
+    let queued_then = places(&first, &k).await.len();
+    let turns_then = turns.load(Ordering::SeqCst);
+    // Held a moment: no node enters meanwhile (the nodes' callbacks say
+    // so). Then the gem's release, which tells nobody: the head finds
+    // the key free at its next heartbeat.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    holders.fetch_sub(1, Ordering::SeqCst);
+    assert!(ruby.run(&ruby.release, &k, GEM).await, "still the gem's");
+    let deadline = Instant::now() + SOON;
+    while turns.load(Ordering::SeqCst) < turns_then + NODES {
+        assert!(Instant::now() < deadline, "the nodes never went on");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        tokio::time::timeout(SOON * 6, task)
+            .await
+            .expect("the nodes stop")
+            .unwrap();
+    }
+    eprintln!("the gem got the key after {waited:?} ({polls} polls, {turns_then} turns)");
+    assert!(
+        queued_then >= 1,
+        "the queue held places when the gem got the key"
+    );
+    assert!(
+        turns_then >= 50,
+        "the nodes kept the key busy: {turns_then} turns"
+    );
 }
 
 /// \[F1\] Waiters of four nodes on one key, each its own backend (as
@@ -698,8 +972,9 @@ async fn f6_a_role_with_the_readmes_rights_queues() {
     let owner = TestBackend::new(&database_url()).await.unwrap();
     let role = role_before_the_queue(&owner).await;
     let waiters = owner.config().qualified_waiters_table().unwrap();
+    let streaks = streaks_table(&owner);
     admin(&format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON {waiters} TO \"{}\"",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON {waiters}, {streaks} TO \"{}\"",
         role.name
     ))
     .await;
@@ -736,9 +1011,11 @@ async fn f6_without_the_waiters_table_a_node_waits_unqueued_until_migrate() {
     let waiters = owner.config().qualified_waiters_table().unwrap();
     let schema = owner.schema().name().to_owned();
     admin(&format!(
-        "DROP TABLE {waiters}; \
+        "DROP TABLE {waiters}, {streaks}; \
          DROP FUNCTION \"{schema}\".\"locks_queue_v1\", \"{schema}\".\"locks_release_v1\", \
-                       \"{schema}\".\"locks_leave_v1\""
+                       \"{schema}\".\"locks_leave_v1\", \"{schema}\".\"locks_queue_v2\", \
+                       \"{schema}\".\"locks_release_v2\", \"{schema}\".\"locks_leave_v2\"",
+        streaks = streaks_table(&owner),
     ))
     .await;
     let old = PostgresBackend::from_url_with(&database_url(), owner.config().clone()).unwrap();
@@ -754,6 +1031,134 @@ async fn f6_without_the_waiters_table_a_node_waits_unqueued_until_migrate() {
         .await
         .unwrap();
     assert_eq!(row(&owner, &k).await.0.as_deref(), Some(waiter.as_str()));
+}
+
+/// \[F6\] A role with the rights the queue needed before its runs table
+/// (those on the waiters table): its queued attempt is refused with the
+/// database's `permission denied` for the runs table, and everything else
+/// works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f6_a_role_without_rights_on_the_runs_table_waits_unqueued() {
+    let owner = TestBackend::new(&database_url()).await.unwrap();
+    let role = role_before_the_queue(&owner).await;
+    let waiters = owner.config().qualified_waiters_table().unwrap();
+    admin(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON {waiters} TO \"{}\"",
+        role.name
+    ))
+    .await;
+    let refused = PostgresBackend::from_url_with(&role.url(), owner.config().clone()).unwrap();
+    let k = refused_but_working(&owner, refused, "permission denied for table locks_streaks").await;
+    assert!(places(&owner, &k).await.is_empty());
+    drop(role);
+}
+
+/// \[F6\] A table migrated only up to 0002 (the queue's earlier version,
+/// without the runs table and the `_v2` functions: an upgrade that did
+/// not run `migrate`): the queue is refused with the database's `does not
+/// exist`, everything else works, and each warning is said once per
+/// backend (or locker) and names the migration; `migrate` brings the
+/// queue back.
+#[tokio::test]
+async fn f6_a_table_migrated_only_to_0002_waits_unqueued_until_migrate() {
+    // A current-thread runtime: every task of the test logs on its thread.
+    let log = Log::default();
+    let _capture = log.capture();
+    let owner = TestBackend::new(&database_url()).await.unwrap();
+    let schema = owner.schema().name().to_owned();
+    admin(&format!(
+        "DROP TABLE {streaks}; \
+         DROP FUNCTION \"{schema}\".\"locks_queue_v2\", \"{schema}\".\"locks_release_v2\", \
+                       \"{schema}\".\"locks_leave_v2\"",
+        streaks = streaks_table(&owner),
+    ))
+    .await;
+    let old = PostgresBackend::from_url_with(&database_url(), owner.config().clone()).unwrap();
+    refused_but_working(&owner, old.clone(), "does not exist").await;
+    let warnings = log.lines("WARN");
+    assert!(
+        !warnings.is_empty() && warnings.iter().all(|line| line.contains("migrat")),
+        "{warnings:#?}"
+    );
+    // The waiting locker's, once; each backend's about its releases, once.
+    let said = |words: &str| warnings.iter().filter(|l| l.contains(words)).count();
+    assert_eq!(
+        said("this node waits unqueued from now on"),
+        1,
+        "{warnings:#?}"
+    );
+    let releases = said("refused the fair queue's release");
+    assert!((1..=2).contains(&releases), "{warnings:#?}");
+    assert_eq!(warnings.len(), 1 + releases, "{warnings:#?}");
+    // Migrated: the queue is back, releases grant again.
+    old.migrate().await.unwrap();
+    let k = key("f6-migrated");
+    let holder = OwnerToken::new("holder");
+    let first = acquired(&old, &k, &holder).await;
+    let waiter = OwnerToken::new("waiter");
+    assert!(queued(&old, &k, &waiter, TERMS).await.is_busy());
+    old.release(&Lease::new(k.as_str(), holder, first))
+        .await
+        .unwrap();
+    assert_eq!(row(&owner, &k).await.0.as_deref(), Some(waiter.as_str()));
+}
+
+/// The log lines of the test's own thread: `<LEVEL> <message> <field>=<value>…`.
+#[derive(Clone, Default)]
+struct Log(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Log {
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        tracing::subscriber::set_default(self.clone())
+    }
+
+    /// The lines of `level` (`WARN`, ...).
+    fn lines(&self, level: &str) -> Vec<String> {
+        let lines = self.0.lock().unwrap();
+        let level = format!("{level} ");
+        lines
+            .iter()
+            .filter(|line| line.starts_with(&level))
+            .cloned()
+            .collect()
+    }
+}
+
+/// Writes each field of an event after the line so far.
+struct Line<'a>(&'a mut String);
+
+impl tracing::field::Visit for Line<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        match field.name() {
+            "message" => self.0.push_str(&format!(" {value:?}")),
+            name => self.0.push_str(&format!(" {name}={value:?}")),
+        }
+    }
+}
+
+/// Events only: spans get an id and are otherwise ignored.
+impl tracing::Subscriber for Log {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut line = event.metadata().level().to_string();
+        event.record(&mut Line(&mut line));
+        self.0.lock().unwrap().push(line);
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 /// The migration is idempotent, also for a second role that may create

@@ -4,68 +4,14 @@
 //! other's lock, and `sequence` increases on both paths (Locker adds one,
 //! withlock takes at least the database clock in microseconds).
 
+mod common;
+
 use std::time::Duration;
 
+use common::Ruby;
 use lock_core::{AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, ReleaseOutcome};
 use lock_postgres::testing::TestBackend;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::PgPool;
 use withlock_test_servers::postgres::database_url;
-
-/// Locker's statements on `table` (the gem's `locks`).
-struct Ruby {
-    pool: PgPool,
-    get: String,
-    renew: String,
-    release: String,
-    sequence: String,
-}
-
-impl Ruby {
-    async fn new(table: &str) -> Self {
-        let pool = PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(&database_url())
-            .await
-            .unwrap();
-        Self {
-            pool,
-            get: format!(
-                "UPDATE {table} SET locked_by = $2, \
-                 locked_at = clock_timestamp() at time zone 'UTC', \
-                 locked_until = clock_timestamp() at time zone 'UTC' + interval '30 seconds', \
-                 sequence = sequence + 1 \
-                 WHERE key = $1 AND (locked_by IS NULL OR locked_by = $2 \
-                 OR locked_until < clock_timestamp() at time zone 'UTC')"
-            ),
-            renew: format!(
-                "UPDATE {table} SET locked_until = clock_timestamp() at time zone 'UTC' + interval '30 seconds' \
-                 WHERE key = $1 AND locked_by = $2"
-            ),
-            release: format!("UPDATE {table} SET locked_by = NULL WHERE key = $1 AND locked_by = $2"),
-            sequence: format!("SELECT sequence FROM {table} WHERE key = $1"),
-        }
-    }
-
-    async fn run(&self, sql: &str, key: &str, id: &str) -> bool {
-        let done = sqlx::query(sql)
-            .bind(key)
-            .bind(id)
-            .execute(&self.pool)
-            .await
-            .unwrap();
-        done.rows_affected() == 1
-    }
-
-    async fn sequence(&self, key: &str) -> i64 {
-        sqlx::query_scalar(&self.sequence)
-            .bind(key)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ruby_locker_and_withlock_exclude_each_other() {

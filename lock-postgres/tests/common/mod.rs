@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use lock_core::{AcquireOutcome, BackendError, OwnerToken, ReleaseOutcome};
 use lock_postgres::testing::TestBackend;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -137,4 +139,61 @@ pub(crate) async fn admin(sql: &str) {
         .unwrap();
     sqlx::raw_sql(sql).execute(&pool).await.unwrap();
     pool.close().await;
+}
+
+/// Ruby's Locker gem on `table` (the gem's `locks`): its own statements,
+/// as issue 4 quotes them (UTC timestamps from `clock_timestamp()`, 30 s
+/// locks), on a one-connection pool of its own.
+pub(crate) struct Ruby {
+    pub(crate) pool: PgPool,
+    pub(crate) get: String,
+    pub(crate) renew: String,
+    pub(crate) release: String,
+    sequence: String,
+}
+
+impl Ruby {
+    pub(crate) async fn new(table: &str) -> Self {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&withlock_test_servers::postgres::database_url())
+            .await
+            .unwrap();
+        Self {
+            pool,
+            get: format!(
+                "UPDATE {table} SET locked_by = $2, \
+                 locked_at = clock_timestamp() at time zone 'UTC', \
+                 locked_until = clock_timestamp() at time zone 'UTC' + interval '30 seconds', \
+                 sequence = sequence + 1 \
+                 WHERE key = $1 AND (locked_by IS NULL OR locked_by = $2 \
+                 OR locked_until < clock_timestamp() at time zone 'UTC')"
+            ),
+            renew: format!(
+                "UPDATE {table} SET locked_until = clock_timestamp() at time zone 'UTC' + interval '30 seconds' \
+                 WHERE key = $1 AND locked_by = $2"
+            ),
+            release: format!("UPDATE {table} SET locked_by = NULL WHERE key = $1 AND locked_by = $2"),
+            sequence: format!("SELECT sequence FROM {table} WHERE key = $1"),
+        }
+    }
+
+    pub(crate) async fn run(&self, sql: &str, key: &str, id: &str) -> bool {
+        let done = sqlx::query(sql)
+            .bind(key)
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+        done.rows_affected() == 1
+    }
+
+    pub(crate) async fn sequence(&self, key: &str) -> i64 {
+        sqlx::query_scalar(&self.sequence)
+            .bind(key)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
 }
