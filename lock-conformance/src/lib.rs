@@ -99,6 +99,7 @@ macro_rules! __with_cases {
             f3_an_unclaimed_grant_passes_on_within_the_claim_deadline,
             f5_queued_and_unqueued_callers_exclude_each_other,
             f6_a_backend_without_the_queue_waits_unqueued,
+            f6_a_required_queue_fails_rather_than_wait_unqueued,
             step_try_acquire_busy_and_fencing,
             step_extend_never_recreates_a_key,
             step_extend_many_answers_in_order,

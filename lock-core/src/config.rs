@@ -146,6 +146,19 @@ pub struct LockConfig {
     /// Default: `Some(QueueTerms::DEFAULT)` (ticket ttl 3 s, claim
     /// deadline 2 s).
     pub fair_queue: Option<QueueTerms>,
+    /// Whether a call that waits must queue. With `true` it queues with
+    /// [`fair_queue`](Self::fair_queue)'s terms (the default terms when
+    /// that is `None`); on a backend that keeps no queue (or not with its
+    /// release notifications off) the call fails at once with
+    /// [`InvalidInput::FairQueueUnavailable`](crate::InvalidInput::FairQueueUnavailable),
+    /// touching nothing, and one whose queued attempt the store refuses
+    /// (a missing table or right) fails with the store's error instead of
+    /// waiting unqueued \[F6\]. A try-once call never queues, required
+    /// or not.
+    ///
+    /// Default: `false` (such calls wait unqueued; the log says so once
+    /// when the store refused the queue).
+    pub require_fair_queue: bool,
 }
 
 impl Default for LockConfig {
@@ -163,6 +176,7 @@ impl LockConfig {
         retry_jitter: Duration::from_millis(100),
         hold_at_least: Duration::ZERO,
         fair_queue: Some(QueueTerms::DEFAULT),
+        require_fair_queue: false,
     };
 }
 
@@ -218,10 +232,20 @@ impl LockConfig {
         self
     }
 
-    /// Waits unqueued ([`LockConfig::fair_queue`] `None`).
+    /// Waits unqueued ([`LockConfig::fair_queue`] `None`, and
+    /// [`LockConfig::require_fair_queue`] `false`).
     #[must_use]
     pub fn no_queue(mut self) -> Self {
         self.fair_queue = None;
+        self.require_fair_queue = false;
+        self
+    }
+
+    /// Sets [`LockConfig::require_fair_queue`]: a waiting call fails
+    /// rather than wait unqueued. Defaults to `false`.
+    #[must_use]
+    pub fn require_fair_queue(mut self) -> Self {
+        self.require_fair_queue = true;
         self
     }
 
@@ -230,6 +254,7 @@ impl LockConfig {
     pub(crate) fn queue_terms(&self) -> Option<QueueTerms> {
         match self.retry_attempts {
             RetryAttempts::Limited(0) => None,
+            _ if self.require_fair_queue => Some(self.fair_queue.unwrap_or(QueueTerms::DEFAULT)),
             _ => self.fair_queue,
         }
     }

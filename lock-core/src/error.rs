@@ -373,6 +373,18 @@ pub enum InvalidInput {
         /// The claim deadline given.
         claim: Duration,
     },
+    /// The call requires the fair queue
+    /// ([`LockConfig::require_fair_queue`](crate::LockConfig::require_fair_queue))
+    /// and the backend keeps none
+    /// ([`Capabilities::queues`](crate::Capabilities::queues)).
+    #[error(
+        "the fair queue is required (LockConfig::require_fair_queue), but the {backend} backend \
+         keeps none (or not with its release notifications off)"
+    )]
+    FairQueueUnavailable {
+        /// The backend's name ([`Capabilities::name`](crate::Capabilities::name)).
+        backend: &'static str,
+    },
     /// A zero retry delay with unlimited attempts would spin on the backend.
     #[error(
         "retry_delay is zero with unlimited retry attempts: the wait would spin on the backend"

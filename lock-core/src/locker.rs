@@ -270,6 +270,13 @@ impl Locker {
             }
         }
         config.validate()?;
+        if config.require_fair_queue && config.queue_terms().is_some() && !self.inner.caps.queues()
+        {
+            return Err(crate::InvalidInput::FairQueueUnavailable {
+                backend: self.inner.caps.name,
+            }
+            .into());
+        }
         if self.inner.shutdown.is_started() {
             return never().await;
         }

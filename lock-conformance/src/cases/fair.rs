@@ -1250,3 +1250,80 @@ pub async fn f6_a_backend_without_the_queue_waits_unqueued(factory: Arc<dyn Back
     }
     assert!(held.release().await.unwrap());
 }
+
+/// \[F6\] A call that requires the queue (`require_fair_queue`) never
+/// waits unqueued: on a backend that keeps no queue it fails at once with
+/// `InvalidInput::FairQueueUnavailable`, having sent nothing; where the
+/// store refuses the queue, it fails with the store's setup error at its
+/// first queued attempt, the holder's lock untouched. Where the queue
+/// works, a required call waits in it and gets the key.
+pub async fn f6_a_required_queue_fails_rather_than_wait_unqueued(factory: Arc<dyn BackendFactory>) {
+    let backend = factory.backend().await;
+    let ns = Namespace::new();
+    let key = ns.key("f6-required");
+    let required = patient().require_fair_queue();
+    if !queues(&*backend) {
+        let counting = CountingBackend::new(Arc::clone(&backend));
+        let n = node(counting.clone(), "required");
+        let err = n
+            .with_lock_config(&key, &required, |_| async {})
+            .await
+            .expect_err("no queue to wait in");
+        assert!(
+            matches!(
+                &err,
+                LockError::InvalidInput(lock_core::InvalidInput::FairQueueUnavailable { .. })
+            ),
+            "a clear error: {err:?}"
+        );
+        assert_eq!(counting.total_calls(), 0, "nothing was sent");
+        return;
+    }
+    let holder = node(Arc::clone(&backend), "holder");
+    let mut held = holder.handle(&key, LONG).unwrap();
+    assert!(held.acquire().await.unwrap());
+    let holder_token = held.fencing_token().unwrap();
+
+    let refusing = Arc::new(RefusesQueue {
+        inner: Arc::clone(&backend),
+        refused: AtomicU64::new(0),
+    });
+    let n = node(Arc::clone(&refusing), "refused");
+    let err = within(
+        SOON,
+        "a required queue the store refuses fails at once",
+        n.with_lock_config(&key, &required, |_| async {}),
+    )
+    .await
+    .expect_err("the store refuses the queue");
+    assert!(
+        matches!(&err, LockError::NotAcquired { source: Some(e), .. } if e.is_permanent()),
+        "the store's setup error: {err:?}"
+    );
+    assert_eq!(refusing.refused.load(Ordering::SeqCst), 1);
+    assert!(
+        held.renew().await.unwrap(),
+        "the holder's lock is untouched"
+    );
+
+    let counting = CountingBackend::new(Arc::clone(&backend));
+    let w = node(counting.clone(), "waiter");
+    let k = key.clone();
+    let waiter = tokio::spawn(async move {
+        w.with_lock_config(&k, &required, |ctx| async move { ctx.fencing_token() })
+            .await
+    });
+    // Its plain attempt and its queued one answered: it holds a place.
+    within(
+        SOON,
+        "the required waiter queues",
+        counting.until_answered(Step::TryAcquire, 2),
+    )
+    .await;
+    assert!(held.release().await.unwrap());
+    let token = within(SOON, "the required waiter gets the key", waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(token > holder_token);
+}

@@ -578,7 +578,11 @@ impl Locker {
                     }
                     // [F6] The store refuses the queue (a missing table or
                     // right): wait unqueued, at once.
-                    Err(error) if error.is_permanent() && queued.is_some() => {
+                    Err(error)
+                        if error.is_permanent()
+                            && queued.is_some()
+                            && !config.require_fair_queue =>
+                    {
                         inner.refuse_queue(&error);
                         queue = None;
                         place = None;
