@@ -1,15 +1,16 @@
 //! Faults on real PostgreSQL servers, each asserting the outcome the spec
 //! names: connections cut while a callback runs (survived, or lost with the
 //! sqlx error as cause when the server stays down), the row taken, freed
-//! or deleted by hand, the database unreachable during acquisition.
+//! or deleted by hand, the database unreachable during acquisition, and
+//! the fair queue through a restart.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lock_core::{LockConfig, LockError, Locker, LockerOptions, LossCause};
+use lock_core::{LockConfig, LockError, Locker, LockerOptions, LossCause, OwnerToken, QueueTerms};
 use lock_postgres::testing::{terminate_connections, TestBackend};
-use lock_postgres::PostgresConfig;
+use lock_postgres::{PostgresBackend, PostgresConfig};
 use tokio::sync::oneshot;
 use withlock_test_servers::postgres::{database_url, TestServer};
 
@@ -285,4 +286,174 @@ async fn unreachable_during_acquisition_is_not_acquired_with_the_sqlx_error() {
     .await
     .unwrap();
     assert_eq!(held, 0, "nothing is held");
+}
+
+/// \[F2, H4\] The fair queue through a PostgreSQL restart: four nodes
+/// (each its own backend) wait in the queue on a key a fifth holds; the
+/// server is stopped at once, as a crash would stop it, kept down longer
+/// than the waiters' ticket ttl (so their places die) and started again
+/// on the same data. Afterwards every waiter is in the queue again (a
+/// new place, behind the dead ones' tickets), the holder keeps its lock,
+/// and once it releases every waiter gets the key in turn (the queue's
+/// order), never two holders at once, each with a fencing token above the one before it,
+/// across the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f2_waiters_queue_again_after_a_restart() {
+    const WAITERS: usize = 4;
+    // Short, so that an outage outlives the places made before it.
+    let terms = QueueTerms::new(Duration::from_secs(1), QueueTerms::DEFAULT.claim);
+    let server = Arc::new(own_server().await);
+    let first = TestBackend::new(&server.url()).await.unwrap();
+    let config = first.config().clone();
+    let waiters_table = config.qualified_waiters_table().unwrap();
+    let key = key("restart-queue");
+    // Holders of the key now, and each holder's node and token in the
+    // order they held it.
+    let holders = Arc::new(AtomicUsize::new(0));
+    let served = Arc::new(Mutex::new(Vec::new()));
+    // The key's places: (node, ticket), in ticket order; none while the
+    // server is down.
+    let places = || {
+        let (pool, table, k) = (first.pool().clone(), waiters_table.clone(), key.clone());
+        async move {
+            let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+                "SELECT owner, ticket FROM {table} WHERE key = $1 ORDER BY ticket"
+            ))
+            .bind(&k)
+            .fetch_all(&pool)
+            .await
+            .unwrap_or_default();
+            rows.into_iter()
+                .map(|(owner, ticket)| (OwnerToken::from_value(owner).node_id().to_owned(), ticket))
+                .collect::<Vec<_>>()
+        }
+    };
+
+    let holder = Locker::with_options(
+        PostgresBackend::from_url_with(&server.url(), config.clone()).unwrap(),
+        LockerOptions::default().node_id("holder"),
+    )
+    .unwrap();
+    let (held_tx, held_rx) = oneshot::channel();
+    let (let_go_tx, let_go_rx) = oneshot::channel::<()>();
+    let holding = {
+        let (k, holders, served) = (key.clone(), Arc::clone(&holders), Arc::clone(&served));
+        tokio::spawn(async move {
+            holder
+                .with_lock(&k, |ctx| async move {
+                    assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                    served
+                        .lock()
+                        .unwrap()
+                        .push(("holder".to_owned(), ctx.fencing_token()));
+                    held_tx.send(()).unwrap();
+                    let_go_rx.await.unwrap();
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                })
+                .await
+        })
+    };
+    tokio::time::timeout(SOON, held_rx)
+        .await
+        .expect("the holder holds")
+        .unwrap();
+    let mut waiting = Vec::new();
+    for n in 0..WAITERS {
+        let node = format!("w{n}");
+        let locker = Locker::with_options(
+            PostgresBackend::from_url_with(&server.url(), config.clone()).unwrap(),
+            LockerOptions::default().node_id(node.as_str()),
+        )
+        .unwrap();
+        let (k, holders, served) = (key.clone(), Arc::clone(&holders), Arc::clone(&served));
+        // Queued or not at all: a waiter that fell back to unqueued
+        // waiting would fail its call.
+        let cfg = LockConfig::default()
+            .wait_forever()
+            .fair_queue(terms)
+            .require_fair_queue();
+        waiting.push(tokio::spawn(async move {
+            locker
+                .with_lock_config(&k, &cfg, |ctx| async move {
+                    assert_eq!(holders.fetch_add(1, Ordering::SeqCst), 0, "two holders");
+                    served.lock().unwrap().push((node, ctx.fencing_token()));
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                })
+                .await
+        }));
+    }
+    let deadline = tokio::time::Instant::now() + SOON;
+    let before = loop {
+        let before = places().await;
+        if before.len() == WAITERS {
+            break before;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the nodes never all queued: {before:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let last_ticket = before.iter().map(|(_, ticket)| *ticket).max().unwrap();
+
+    // The restart: stopped at once, down for longer than a place lives,
+    // started again on the same data.
+    let stopping = Arc::clone(&server);
+    on_blocking(move || stopping.stop()).await.unwrap();
+    tokio::time::sleep(terms.ticket_ttl * 2).await;
+    let starting = Arc::clone(&server);
+    on_blocking(move || starting.start_again()).await.unwrap();
+    // Every waiter queues again: a new place each (its own, dead, was
+    // removed by the queue's next step), behind the tickets of before.
+    let deadline = tokio::time::Instant::now() + SOON * 3;
+    let after = loop {
+        let after = places().await;
+        if after.len() == WAITERS && after.iter().all(|(_, ticket)| *ticket > last_ticket) {
+            break after;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every waiter queued again: {after:?} (before the restart: {before:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut nodes: Vec<_> = after.iter().map(|(node, _)| node.as_str()).collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, ["w0", "w1", "w2", "w3"], "one place each");
+    assert!(
+        waiting.iter().all(|task| !task.is_finished()),
+        "nobody took the held key"
+    );
+
+    // The holder lets go: every waiter gets the key in turn.
+    let_go_tx.send(()).unwrap();
+    tokio::time::timeout(SOON * 3, holding)
+        .await
+        .expect("the holder's call ends")
+        .unwrap()
+        .expect("the holder kept its lock through the restart");
+    for task in waiting {
+        tokio::time::timeout(SOON * 3, task)
+            .await
+            .expect("every waiter gets the key")
+            .unwrap()
+            .expect("each waiter's call succeeds");
+    }
+    let served = served.lock().unwrap().clone();
+    assert_eq!(served.len(), WAITERS + 1, "{served:?}");
+    let mut nodes: Vec<_> = served.iter().map(|(node, _)| node.as_str()).collect();
+    nodes.sort_unstable();
+    assert_eq!(nodes, ["holder", "w0", "w1", "w2", "w3"], "each once");
+    // In turn: in the order of the places made after the restart.
+    assert_eq!(
+        served[1..].iter().map(|(node, _)| node).collect::<Vec<_>>(),
+        after.iter().map(|(node, _)| node).collect::<Vec<_>>(),
+        "served in the queue's order"
+    );
+    assert!(
+        served.windows(2).all(|pair| pair[0].1 < pair[1].1),
+        "fencing tokens increase across the restart: {served:?}"
+    );
+    assert!(places().await.is_empty(), "the queue is empty");
 }
