@@ -368,3 +368,96 @@ async fn waiter_is_woken_after_the_subscription_is_cut() {
     let wake = ran_at - released_at;
     assert!(wake < NOTIFIED, "woken {wake:?} after the release");
 }
+
+/// SPEC F2 through an empty restart: the queue is lost with the lock.
+/// Three nodes wait queued behind a holder; the server comes back empty;
+/// the holder is told its lock was taken, and the waiters, their places
+/// gone, queue again: one takes the free key, the others stand in the new
+/// queue (seen in the store), and each gets the key in turn, never two at
+/// once, with tokens above the holder's and increasing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f2_waiters_queue_again_after_an_empty_restart() {
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Mutex;
+
+    let server = RedisServer::start().unwrap();
+    let backend = RedisBackend::from_url(&server.url()).unwrap();
+    let key = "fair restarted";
+    let (queue_key, _) = backend.queue_keys(key);
+    let holder = node(backend, "holder");
+    let (call, running) = hold(&holder, key, Duration::from_secs(2));
+    let holder_token = within(LIMIT, "holder's start", running).await.unwrap();
+
+    let inside = Arc::new(AtomicUsize::new(0));
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for name in ["w1", "w2", "w3"] {
+        let waiter = node(RedisBackend::from_url(&server.url()).unwrap(), name);
+        let (inside, tokens) = (Arc::clone(&inside), Arc::clone(&tokens));
+        waiters.push(tokio::spawn(async move {
+            let config = LockConfig::default().wait_forever();
+            waiter
+                .with_lock_config(key, &config, move |ctx| async move {
+                    let others = inside.fetch_add(1, Ordering::SeqCst);
+                    // Out also when the callback is dropped (a loss).
+                    let _out = Out(Arc::clone(&inside));
+                    assert_eq!(others, 0, "{name}: two holders");
+                    tokens.lock().unwrap().push(ctx.fencing_token());
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                })
+                .await
+        }));
+    }
+    within(
+        LIMIT,
+        "three places in the queue",
+        places(&server.url(), &queue_key, 3),
+    )
+    .await;
+
+    server.restart().unwrap();
+    let cause = loss_cause(within(LIMIT, "the holder's loss", call).await.unwrap());
+    assert!(matches!(cause, LossCause::Taken), "cause {cause:?}");
+    // One waiter holds the key afresh; the other two stand in a new queue.
+    within(
+        LIMIT,
+        "the waiters queue again",
+        places(&server.url(), &queue_key, 2),
+    )
+    .await;
+    for waiter in waiters {
+        within(LIMIT, "each waiter's turn", waiter)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let tokens = tokens.lock().unwrap().clone();
+    assert_eq!(tokens.len(), 3);
+    assert!(tokens[0] > holder_token, "{tokens:?} after {holder_token}");
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens increase: {tokens:?}"
+    );
+}
+
+/// Counts a callback out of the lock when dropped.
+struct Out(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Returns once the queue `queue_key` on the server at `url` has at least
+/// `want` places (polled: the store says nothing when a place is made).
+async fn places(url: &str, queue_key: &str, want: usize) {
+    let mut conn = raw(url).await;
+    loop {
+        let n: usize = conn.zcard(queue_key).await.unwrap_or(0);
+        if n >= want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -596,6 +596,16 @@ impl Locker {
                     }
                     Err(error) => {
                         tracing::debug!(error = %crate::ErrorChain(&error), "acquisition attempt failed");
+                        // [F2, C1] An attempt that may have taken the key
+                        // is cleaned up with its owner token (released
+                        // until its ttl has run out), so this waiter must
+                        // never hold under that token again: its place is
+                        // left (handing on what the attempt may have
+                        // taken) and it queues again at the tail, under a
+                        // new one.
+                        if place.is_some() && error.may_have_reached_store() {
+                            place = None;
+                        }
                         last_error = Some(error);
                         false
                     }
