@@ -678,7 +678,16 @@ impl Locker {
                                     }
                                     _ => None,
                                 };
-                                if let Some((id, held)) = taken {
+                                // [F2, C1] Released in the background under
+                                // this owner token: queue again under a new
+                                // one (see the failed attempt's case).
+                                if let Some(Err(late)) = taken {
+                                    place = None;
+                                    last_error = Some(late);
+                                    woken = Some(Stopwatch::start());
+                                    break;
+                                }
+                                if let Some(Ok((id, held))) = taken {
                                     inner.registry.meter.notification_lag(key, &woke);
                                     pass.found_contended(true);
                                     if let Some((_, place)) = place.take() {

@@ -116,8 +116,11 @@ impl Inner {
     /// trip: its validity counts from `asked`, the send time of the
     /// waiter's last attempt answered busy (see [`grant_sent_at`]), and
     /// its first extension, due at once, takes it up. `None` when the
-    /// grant ran out before it could be used (it is then released, and
-    /// the waiter tries again).
+    /// grant ran out before it could be used: nothing was done, and the
+    /// waiter's next attempt takes the grant up if the store still holds
+    /// it for this owner. An error when it ran out while being taken: it
+    /// is then released in the background with this owner token, which
+    /// the waiter must not hold under again.
     pub(crate) async fn take_grant(
         &self,
         key: &Arc<str>,
@@ -125,20 +128,21 @@ impl Inner {
         grant: &Grant,
         asked: Instant,
         config: &LockConfig,
-    ) -> Option<(u64, Arc<HeldLock>)> {
+    ) -> Option<Result<(u64, Arc<HeldLock>), BackendError>> {
         let sent_at = grant_sent_at(asked, grant, config.ttl)?;
         let lease = Lease::new(Arc::clone(key), owner.clone(), grant.fencing_token);
         let in_flight = self.registry.attempt_started();
-        self.hold(
-            lease,
-            config.ttl,
-            sent_at,
-            false,
-            Holder::Callback,
-            in_flight,
+        Some(
+            self.hold(
+                lease,
+                config.ttl,
+                sent_at,
+                false,
+                Holder::Callback,
+                in_flight,
+            )
+            .await,
         )
-        .await
-        .ok()
     }
 
     /// The terms of the queue for a call with `terms`, unless the backend
