@@ -1061,10 +1061,10 @@ impl Drop for Leaves {
 /// stopped (those still waiting or inside dropped) the key is free soon.
 ///
 /// The bound within which a poller outside the queue gets the key is not
-/// checked here: it differs per backend (Redis leaves a gap after 10 s of
-/// grants in a row; PostgreSQL and etcd build none, see their READMEs)
-/// and no capability declares it, so each backend's own tests prove
-/// theirs.
+/// checked here: it differs per backend (memory, Redis and PostgreSQL
+/// leave a 600 ms gap after 10 s of grants in a row; etcd builds none,
+/// as every etcd lock client waits in the same line, see its README) and
+/// no capability declares it, so each backend's own tests prove theirs.
 pub async fn f5_queued_and_unqueued_callers_exclude_each_other(factory: Arc<dyn BackendFactory>) {
     let backend = factory.backend().await;
     let queued = queues(&*backend);
