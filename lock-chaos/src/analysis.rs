@@ -20,6 +20,10 @@
 //! short of a failover, connections cut), is never reported lost \[L4\].
 //! On every backend, [`Check::LostAfterRelease`]: a finished callback whose
 //! release failed on a backend error gets its output, not `Lost` \[O6\].
+//! Where the coordinator read the fair queue, [`Check::QueueOrder`]:
+//! waiters acquire in the order the store's queue held them, unless an
+//! event that lets the place ahead die comes between (the rule, and the
+//! exact list of excuses, in `order.rs`) \[F1\].
 //!
 //! A store that loses a lock's write (Redis restarted empty, a Redis
 //! Cluster failover to a replica that missed it, or the old master
@@ -39,8 +43,10 @@ use crate::event::{
     Section, WriteResult,
 };
 
+mod order;
 mod report;
 
+pub use order::{loses_queue, QueueOrderSummary};
 pub use report::{Check, FaultSummary, Report, Summary, Violation, MAX_EXAMPLES, MAX_FAULT_LINES};
 
 /// The liveness bound when the log has no [`RunInfo`].
@@ -51,6 +57,12 @@ pub const SHUTDOWN_SLACK_MS: u64 = 1_000;
 
 /// The lock ttl when the log has no [`RunInfo`].
 pub const DEFAULT_TTL_MS: u64 = 1_000;
+
+/// The fair queue's ticket ttl when the log has no [`RunInfo`].
+pub const DEFAULT_TICKET_TTL_MS: u64 = 3_000;
+
+/// The fair queue's claim deadline when the log has no [`RunInfo`].
+pub const DEFAULT_CLAIM_MS: u64 = 2_000;
 
 /// A fault touches the locks of its keys from its start until this many
 /// ttls after its heal: a holder finds its loss at its next extension.
@@ -66,6 +78,7 @@ pub fn analyse(log: &RunLog) -> Report {
     a.refused_writes();
     a.context();
     a.lost_after_release();
+    a.queue_order();
     a.liveness();
     a.leaks();
     a.shutdown();
@@ -83,6 +96,10 @@ struct Analysis<'l> {
     bound: u64,
     /// The lock ttl, in µs.
     ttl: u64,
+    /// The fair queue's ticket ttl, in µs.
+    ticket_ttl: u64,
+    /// The fair queue's claim deadline, in µs.
+    claim: u64,
     check_unfaulted_losses: bool,
 }
 
@@ -111,6 +128,8 @@ impl<'l> Analysis<'l> {
             None => (first, last, DEFAULT_LIVENESS_BOUND_MS * 1000),
         };
         let ttl = run.map_or(DEFAULT_TTL_MS, |r| r.ttl_ms) * 1000;
+        let ticket_ttl = run.map_or(DEFAULT_TICKET_TTL_MS, |r| r.ticket_ttl_ms) * 1000;
+        let claim = run.map_or(DEFAULT_CLAIM_MS, |r| r.claim_ms) * 1000;
         let report = Report {
             summary: Summary {
                 run: run.cloned(),
@@ -130,6 +149,8 @@ impl<'l> Analysis<'l> {
             end,
             bound,
             ttl,
+            ticket_ttl,
+            claim,
             check_unfaulted_losses: run.is_some_and(|r| r.check_unfaulted_losses),
         }
     }

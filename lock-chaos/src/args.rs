@@ -14,6 +14,7 @@ usage:
             [--tasks 4] [--keys 4 (redis-cluster: 6)]
             [--ttl 1s (redis-cluster: 2s)] [--hold 200ms] [--grace 500ms] [--heal 3s] [--liveness-bound 5s]
             [--faults kind,kind…] [--fence-url URL] [--out DIR]
+            [--shuffle-queue true (tests the order check: it must fail)]
   chaos analyse DIR
   (chaos worker … is started by chaos run)
 
@@ -135,6 +136,10 @@ pub struct RunArgs {
     pub fence_url: String,
     /// Where the logs and the report go. Default: a new temporary directory.
     pub out: Option<PathBuf>,
+    /// Shuffle each read of the fair queue before it is logged: a queue
+    /// out of order on purpose, which the order check must report. For
+    /// testing the check only. Default: false.
+    pub shuffle_queue: bool,
 }
 
 /// `chaos worker`, as `chaos run` starts it.
@@ -282,6 +287,7 @@ fn parse_run(mut f: Flags) -> Result<RunArgs, ArgsError> {
             .take("fence-url")
             .unwrap_or_else(withlock_test_servers::postgres::database_url),
         out: f.take("out").map(PathBuf::from),
+        shuffle_queue: f.parsed("shuffle-queue", false)?,
     };
     f.done()?;
     if args.procs == 0 || args.tasks == 0 || args.keys == 0 {
@@ -351,8 +357,8 @@ mod tests {
             panic!("not run")
         };
         assert_eq!(
-            (run.backend, run.seconds, run.procs),
-            (Backend::Redis, 30, 3)
+            (run.backend, run.seconds, run.procs, run.shuffle_queue),
+            (Backend::Redis, 30, 3, false)
         );
         assert_eq!(run.faults, FaultKind::for_backend("redis"));
         assert!(matches!(

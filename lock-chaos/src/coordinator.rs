@@ -20,6 +20,7 @@ use crate::analysis::{analyse, Report};
 use crate::args::{format_duration, Backend, RunArgs};
 use crate::event::{now_us, Event, Fault, FaultKind, LeakCheck, LogWriter, RunInfo, RunLog};
 use crate::fence::{FenceError, FenceStore};
+use crate::queue::{QueueReadError, QueueReader, Sampler};
 use crate::server::{held_keys, signal, Injected, LockServer, ServerError};
 
 /// How long a worker may take to set up.
@@ -48,6 +49,9 @@ pub enum RunError {
         /// Its stderr file.
         log: String,
     },
+    /// The fair queue's reader could not be set up.
+    #[error("queue reader setup failed")]
+    Queue(#[from] QueueReadError),
     /// The output directory already holds a run.
     #[error("{0} already holds the logs of a run")]
     OutNotEmpty(String),
@@ -91,8 +95,20 @@ pub async fn run(args: RunArgs, exe: &Path) -> Result<Finished, RunError> {
         args.seconds,
         dir.display()
     );
-    schedule(&args, &server, &workers, &keys, &log).await?;
+    let sampler = match QueueReader::new(args.backend, &server, &keys)? {
+        Some(reader) => Some(Sampler::start(reader, &dir, args.shuffle_queue)?),
+        None => None,
+    };
+    let scheduled = schedule(&args, &server, &workers, &keys, &log).await;
     let t_end = now_us();
+    if let Some(sampler) = sampler {
+        let reads = sampler.stop().await?;
+        eprintln!(
+            "fair queue read {} times ({} reads failed or timed out)",
+            reads.answered, reads.failed
+        );
+    }
+    scheduled?;
 
     workers.stop(&args, &log).await?;
     match held_keys(args.backend, &server.worker_url(), &keys).await {
@@ -119,6 +135,8 @@ pub async fn run(args: RunArgs, exe: &Path) -> Result<Finished, RunError> {
         // A Redis Cluster fault touches one master's keys: the others'
         // locks must never be reported lost [L4].
         check_unfaulted_losses: args.backend == Backend::RedisCluster,
+        ticket_ttl_ms: millis(crate::worker::QUEUE_TERMS.ticket_ttl),
+        claim_ms: millis(crate::worker::QUEUE_TERMS.claim),
     }))?;
     let report = analyse(&RunLog::read_dir(&dir)?);
     let json = serde_json::to_string_pretty(&report).map_err(io::Error::other)?;

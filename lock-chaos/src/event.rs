@@ -55,6 +55,9 @@ pub enum Event {
     },
     /// The check, after every worker ended, that no key is held (coordinator).
     LeakCheck(LeakCheck),
+    /// The live places of a key's fair queue, as the store orders them
+    /// (coordinator's sampler, [`queue`](crate::queue)).
+    Queue(QueueSnapshot),
 }
 
 /// The run's parameters and bounds.
@@ -82,6 +85,22 @@ pub struct RunInfo {
     /// master serves a third of them).
     #[serde(default)]
     pub check_unfaulted_losses: bool,
+    /// The workers' fair-queue ticket ttl, in ms: how long a waiter's
+    /// place lives after its last attempt \[F2\].
+    #[serde(default = "default_ticket_ttl_ms")]
+    pub ticket_ttl_ms: u64,
+    /// The workers' fair-queue claim deadline, in ms: how long a grant
+    /// waits to be taken up \[F3\].
+    #[serde(default = "default_claim_ms")]
+    pub claim_ms: u64,
+}
+
+fn default_ticket_ttl_ms() -> u64 {
+    3_000
+}
+
+fn default_claim_ms() -> u64 {
+    2_000
 }
 
 /// What a `with_lock` call gave.
@@ -127,6 +146,38 @@ pub struct Section {
     /// `with_lock` returned, when there were any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub release: Option<ReleaseTrace>,
+    /// The call's places in the store's fair queue, in the order its
+    /// queued attempts first sent their owner tokens \[F1\]: one, the
+    /// token it waited with and, when the callback ran, acquired with; none
+    /// when it never queued. A later one after the driver gave a place up
+    /// (a failed attempt, an acquisition answered too late, a grant that
+    /// ran out while being taken): the call then queues again at the tail.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queued: Vec<QueuedPlace>,
+}
+
+/// One place of a call in the store's fair queue, as the worker's backend
+/// wrapper ([`trace`](crate::trace)) saw its queued attempts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueuedPlace {
+    /// The owner token of its attempts.
+    pub owner: String,
+    /// When its first attempt was sent.
+    pub first_sent: u64,
+    /// When its last attempt was sent.
+    pub last_sent: u64,
+    /// When an attempt of it failed on an error after it may have reached
+    /// the store: the driver then leaves the place and queues again under
+    /// a new owner token.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_at: Vec<u64>,
+    /// When an attempt of it was answered that it acquired the lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acquired_at: Option<u64>,
+    /// When this node sent a release under its owner token while the call
+    /// went on (a grant or acquisition it gave up) or after the callback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at: Option<u64>,
 }
 
 impl Section {
@@ -406,6 +457,27 @@ pub struct LeakCheck {
     pub held: Vec<String>,
 }
 
+/// The live places of one key's fair queue, read from the store while
+/// they stayed the same: reads from `t_first` to `t_last` (each time the
+/// read was sent; the store answered a moment later) found exactly these
+/// owner tokens, first come first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueueSnapshot {
+    /// The key.
+    pub key: String,
+    /// When the first read that found this order was sent.
+    pub t_first: u64,
+    /// When the last one was sent.
+    pub t_last: u64,
+    /// How many reads found it.
+    pub reads: u32,
+    /// The owner tokens of the live places, head first: Redis's queue
+    /// sorted set by score, PostgreSQL's waiters by `ticket`, etcd's
+    /// contender keys by create revision (the holder's key first, once it
+    /// holds).
+    pub owners: Vec<String>,
+}
+
 /// Appends events to a file, one whole line per write, so that a process
 /// stopped or killed mid-run leaves every line before intact.
 #[derive(Debug)]
@@ -526,11 +598,27 @@ mod tests {
                 answers: vec![ReleaseAnswer::Error, ReleaseAnswer::NotHeld],
                 last_error: Some("timed out".into()),
             }),
+            queued: vec![QueuedPlace {
+                owner: "chaos-w1/0123456789abcdef0123456789abcdef".into(),
+                first_sent: 5,
+                last_sent: 9,
+                failed_at: vec![8],
+                acquired_at: Some(10),
+                released_at: Some(19),
+            }],
         });
         writer.write(&section).unwrap();
+        let queue = Event::Queue(QueueSnapshot {
+            key: "k".into(),
+            t_first: 30,
+            t_last: 40,
+            reads: 2,
+            owners: vec!["chaos-w0/a".into(), "chaos-w2/b".into()],
+        });
+        writer.write(&queue).unwrap();
         std::fs::write(dir.join("torn.jsonl"), "{\"type\":\"sect").unwrap();
         let log = RunLog::read_dir(&dir).unwrap();
-        assert_eq!(log.events, vec![section]);
+        assert_eq!(log.events, vec![section, queue]);
         assert_eq!(log.unreadable_lines, 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }

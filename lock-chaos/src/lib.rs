@@ -30,6 +30,9 @@
 //! # the clusters (etcd and protoc on PATH: `.ci/install-etcd`)
 //! cargo run -p lock-chaos -- run --backend etcd --seconds 60
 //! cargo run -p lock-chaos -- run --backend redis-cluster --seconds 120
+//! # every worker on one hot key: the fair queue full, its order checked
+//! cargo run -p lock-chaos --release -- run --backend redis --seconds 150 \
+//!     --keys 1 --liveness-bound 8s
 //! # one fault over and over
 //! cargo run -p lock-chaos --release -- run --backend redis --seconds 150 \
 //!     --faults server_kill --heal 1500ms
@@ -69,8 +72,8 @@
 //! See [`analysis`]: exclusion modulo loss reports, token order, refused
 //! writes only from holders told of their loss, liveness after each fault
 //! (with the longest unavailability per fault), no leak after graceful
-//! shutdown, and the agreement of `with_lock`'s outcome with the lock
-//! context. Losses are counted by the fault that touched the key's store
+//! shutdown, the agreement of `with_lock`'s outcome with the lock
+//! context, and the fair queue's order (below). Losses are counted by the fault that touched the key's store
 //! or its holder; on Redis Cluster a loss on a key whose master no fault
 //! touched, or only `master_stop_short` or `client_kill` (a held lock
 //! outlasts both), is a violation \[L4\]. On every backend a finished
@@ -84,10 +87,52 @@
 //! did not. The analysis proves itself on planted violations in its unit
 //! tests.
 //!
+//! ## The fair queue's order
+//!
+//! While faults are injected, the coordinator reads each key's fair queue
+//! \[F1\] from the store every 20 ms with the store's own client
+//! ([`queue`]): the live places, head first, as the backend orders them
+//! (Redis: the queue sorted set by score, places whose `alive_until` in
+//! the waiters hash has not passed by the server's `TIME`; PostgreSQL:
+//! `<table>_waiters` by `ticket`, `alive_until` not passed; etcd: the
+//! name's contender keys by create revision, valued with owner tokens).
+//! Each worker logs its call's places by owner token (the backend
+//! wrapper of [`trace`] sees the call's queued attempts and the releases
+//! under their tokens); the last is the token it acquired with when its
+//! callback ran. The rule
+//! ([`Check::QueueOrder`](analysis::Check::QueueOrder), see
+//! `analysis/order.rs`): when a read found waiter A ahead of waiter B, and
+//! B then acquired first (a lower fencing token than A's, or its callback
+//! started while A's call still waited), or a later read found B ahead,
+//! something between the last read of the old order and the change must
+//! let A's place die or the store lose its queue, else it is a violation.
+//! What excuses a change, and only this: A's worker stopped
+//! (`worker_stop`, until a ticket ttl after it resumed); the store lost
+//! its queue or let every place die (`server_kill`, `server_stop`,
+//! `pg_restart`, a Redis Cluster failover of the key's master: until a
+//! ticket ttl after the heal); A's worker began its shutdown; A's call
+//! gave the place up and queued again under a new owner token after a
+//! queued attempt failed (its answer lost) or was answered too late to
+//! use; A's call never logged. A that gave up, timed out or was cancelled
+//! before B acquired leaves the pair undecided; a fault on another
+//! worker, cut connections or notifications, etcd member faults and
+//! deleted lock rows excuse nothing. A grant that A's node dropped as run
+//! out while the store still held it for A (past the ttl after A's last
+//! attempt, within the claim deadline: the driver counts the grant's
+//! validity from that attempt plus the ttl, not the claim) is a known
+//! defect of the driver, counted apart rather than reported until it is
+//! fixed. The report gives the pairs seen, checked (in order, excused by
+//! reason, out of order, out of order by a dropped grant) and undecided;
+//! `--shuffle-queue true` shuffles every read
+//! before it is logged, a queue out of order on purpose that the check
+//! must report (a test does). Redis Cluster's queue is not read.
+//!
 //! # Output
 //!
 //! The directory (`--out`, default a new one under the temporary
 //! directory) holds `coordinator.jsonl` (faults, exits, leak check, the run),
+//! `queue.jsonl` (the reads of the fair queue, one line per run of reads
+//! that found the same order, see [`event::QueueSnapshot`]),
 //! `worker-<i>.jsonl` (one line per call, see [`event::Section`]),
 //! `worker-<i>.stderr`, and `report.json` ([`analysis::Report`]). The
 //! summary is printed. Exit status: 0 clean, 1 violations, 2 the run could
@@ -112,7 +157,8 @@
 //! | [`worker`] | one worker process |
 //! | [`coordinator`] | the run: servers, workers, faults, leak check |
 //! | [`server`] | the lock servers, their faults, reading who holds a key |
-//! | [`trace`] | the workers' record of each lock's release tries |
+//! | [`queue`] | the reads of the fair queue's order |
+//! | [`trace`] | the workers' record of each lock's release tries and each call's place in the queue |
 //! | [`args`] | the command line |
 
 pub mod analysis;
@@ -120,6 +166,7 @@ pub mod args;
 pub mod coordinator;
 pub mod event;
 pub mod fence;
+pub mod queue;
 pub mod server;
 pub mod trace;
 pub mod worker;

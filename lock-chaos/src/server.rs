@@ -176,6 +176,17 @@ impl LockServer {
         }
     }
 
+    /// The URL of a client of the run's own (the queue reader): on
+    /// PostgreSQL with `application_name` set to `name`, so that the
+    /// faults that cut the workers' connections leave it alone; elsewhere
+    /// the workers' URL.
+    pub fn admin_url(&self, name: &str) -> String {
+        match self {
+            Self::Postgres(pg) => format!("{}?application_name={name}", pg.server.url()),
+            _ => self.worker_url(),
+        }
+    }
+
     /// Injects a server fault and heals it: a stop lasts `stop_for` (on
     /// Redis Cluster: until a replica is promoted, or for a short stop a
     /// fifth of it, at most 1 s). Returns what it did;

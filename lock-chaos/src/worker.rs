@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_core::{LockConfig, LockContext, LockError, Locker, LockerOptions};
+use lock_core::{LockConfig, LockContext, LockError, Locker, LockerOptions, QueueTerms};
 use lock_postgres::PostgresBackend;
 use lock_redis::RedisBackend;
 use rand::Rng;
@@ -27,6 +27,10 @@ use crate::trace::{Traced, Traces};
 pub const RETRY_ATTEMPTS: u32 = 40;
 /// Between two counted attempts.
 pub const RETRY_DELAY: Duration = Duration::from_millis(50);
+/// The fair queue's terms of every call \[F1–F3\]: the defaults, a
+/// ticket ttl of 3 s and a claim deadline of 2 s. The order check reads
+/// the ticket ttl from the run's record.
+pub const QUEUE_TERMS: QueueTerms = QueueTerms::DEFAULT;
 /// A call that has not returned after this is logged as hung and dropped.
 pub const WATCHDOG: Duration = Duration::from_secs(60);
 /// How long a task whose callback runs may take to finish after shutdown.
@@ -113,7 +117,8 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     let config = LockConfig::default()
         .ttl(args.ttl)
         .retry_attempts(RETRY_ATTEMPTS)
-        .retry_delay(RETRY_DELAY);
+        .retry_delay(RETRY_DELAY)
+        .fair_queue(QUEUE_TERMS);
     let stop = stop_signal()?;
     let shared = Arc::new(Shared {
         args,
@@ -330,13 +335,15 @@ async fn one_call(
         });
     };
     let t_call = now_us();
-    let result = tokio::time::timeout(
-        WATCHDOG,
-        shared
-            .locker
-            .with_lock_config(&key, &shared.config, callback),
-    )
-    .await;
+    let (result, queued) = shared
+        .traces
+        .queued(tokio::time::timeout(
+            WATCHDOG,
+            shared
+                .locker
+                .with_lock_config(&key, &shared.config, callback),
+        ))
+        .await;
     let t_return = now_us();
     let (outcome, cause) = match result {
         Err(_) => (Outcome::Hung, None),
@@ -387,6 +394,7 @@ async fn one_call(
         cause,
         held,
         release,
+        queued,
     }
 }
 

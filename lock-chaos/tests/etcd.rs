@@ -22,7 +22,9 @@ fn etcd_survives_every_fault() {
 /// through every fault. The liveness bound is 8 s: a stopped worker's key
 /// stays at the head until its ticket lease runs out (3 s, plus up to
 /// 0.5 s of the lessor's lag), then the next holder's run (up to two
-/// ttls). `CHAOS_HOT_KEY_SECONDS` sets how long (default 40).
+/// ttls). The waiters must acquire in the order of their keys' create
+/// revisions, as the coordinator read them. `CHAOS_HOT_KEY_SECONDS` sets
+/// how long (default 40).
 #[test]
 fn etcd_survives_every_fault_on_one_hot_key() {
     common::run_and_check(

@@ -19,8 +19,9 @@ fn postgres_survives_every_fault() {
 /// waiters from every process through every fault (as the Redis test of
 /// that name; the liveness bound is 8 s for the same reasons: a stopped
 /// worker's grant runs out after its claim deadline, 2 s, or its place
-/// after its ticket ttl, 3 s). `CHAOS_HOT_KEY_SECONDS` sets how long
-/// (default 40).
+/// after its ticket ttl, 3 s), and the waiters must acquire in the order
+/// of the `<table>_waiters` rows' tickets, as the coordinator read them.
+/// `CHAOS_HOT_KEY_SECONDS` sets how long (default 40).
 #[test]
 fn postgres_survives_every_fault_on_one_hot_key() {
     common::run_and_check(

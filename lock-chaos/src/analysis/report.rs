@@ -6,6 +6,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use super::QueueOrderSummary;
 use crate::event::{FaultKind, RunInfo};
 
 /// Violations kept as examples per check; all are counted.
@@ -40,11 +41,15 @@ pub enum Check {
     /// answered `Lost` because the release failed on a backend error
     /// \[O6\].
     LostAfterRelease,
+    /// Two waiters of the fair queue acquired in the other order than the
+    /// store's queue held them, or the queue changed their order, with no
+    /// fault or event that lets the place ahead die \[F1\].
+    QueueOrder,
 }
 
 impl Check {
     /// Every check, in report order.
-    pub const ALL: [Check; 9] = [
+    pub const ALL: [Check; 10] = [
         Self::Exclusion,
         Self::TokenOrder,
         Self::RefusedWrite,
@@ -54,6 +59,7 @@ impl Check {
         Self::Shutdown,
         Self::UnfaultedLoss,
         Self::LostAfterRelease,
+        Self::QueueOrder,
     ];
 
     /// The snake-case name.
@@ -68,6 +74,7 @@ impl Check {
             Self::Shutdown => "shutdown",
             Self::UnfaultedLoss => "unfaulted_loss",
             Self::LostAfterRelease => "lost_after_release",
+            Self::QueueOrder => "queue_order",
         }
     }
 }
@@ -164,6 +171,9 @@ pub struct Summary {
     pub refused_after_data_loss: usize,
     /// Fenced writes that failed or timed out.
     pub writes_failed: usize,
+    /// The fair queue's order check, when the queue was read.
+    #[serde(default)]
+    pub queue_order: Option<QueueOrderSummary>,
     /// Every fault, in order.
     pub faults: Vec<FaultSummary>,
     /// Faults per kind.
@@ -288,6 +298,34 @@ impl fmt::Display for Report {
             s.refused_after_data_loss,
             s.writes_failed
         )?;
+        match &s.queue_order {
+            Some(o) => {
+                let excuses: Vec<String> =
+                    o.excuses.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                writeln!(
+                    f,
+                    "fair queue order: {} pairs of waiters seen in the store's queue ({} reads); \
+                     {} checked: {} in order, {} excused{}, {} out of order, {} out of order by \
+                     a grant its waiter's node dropped within its claim deadline (a known \
+                     defect); {} undecided, {} acquired before a read saw them",
+                    o.pairs,
+                    o.reads,
+                    o.checked(),
+                    o.in_order,
+                    o.excused,
+                    if excuses.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", excuses.join(", "))
+                    },
+                    o.out_of_order,
+                    o.dropped_grants,
+                    o.undecided,
+                    o.acquired_before_read
+                )?;
+            }
+            None => writeln!(f, "fair queue order: no read saw two waiters")?,
+        }
         writeln!(
             f,
             "longest unavailability: {} ms",

@@ -43,6 +43,7 @@ fn section(
             ctx_lost: lost,
         }),
         release: None,
+        queued: Vec::new(),
     }
 }
 
@@ -67,6 +68,8 @@ fn clean_log() -> Vec<Event> {
         ttl_ms: 1000,
         liveness_bound_ms: 5000,
         check_unfaulted_losses: false,
+        ticket_ttl_ms: 3000,
+        claim_ms: 2000,
     })];
     for worker in 0..2 {
         events.push(Event::WorkerStart {
@@ -761,3 +764,5 @@ fn the_loss_causes_read_as_the_driver_writes_them() {
     assert!(LossCause::Taken.to_string().starts_with(TAKEN_LOSS));
     assert_eq!(LossCause::Taken.to_string(), TAKEN);
 }
+
+mod order;
