@@ -65,7 +65,7 @@ pub(crate) struct Inner {
     records: AtomicBool,
     pub(crate) keep_alives: KeepAlives,
     hub: ReleaseHub,
-    watches: Option<Watches>,
+    pub(crate) watches: Option<Watches>,
     /// The places of this backend's waiters in the fair queue \[F1\].
     pub(crate) places: Arc<Places>,
 }
@@ -459,6 +459,7 @@ impl EtcdBackend {
                 ("watch_ids", w.ids.load(Ordering::Relaxed)),
                 ("watches_creating", w.creating.load(Ordering::Relaxed)),
                 ("watches_to_rebuild", w.rebuild.load(Ordering::Relaxed)),
+                ("watches_queued", w.queued.load(Ordering::Relaxed)),
             ]);
         }
         counts
@@ -832,6 +833,17 @@ impl LockBackend for EtcdBackend {
         ttl: Duration,
     ) -> Result<AcquireOutcome, BackendError> {
         let secs = self.lease_secs(ttl);
+        // [A5] A waiter outside the queue is woken when the holder's key
+        // goes: its watch follows the name's line, in place before the
+        // attempt, so no release after the attempt is missed. Without it
+        // the waiter waits on its retry timer.
+        if let Some(watches) = &self.inner.watches {
+            if self.inner.hub.is_watched(key) {
+                if let Err(error) = self.step("watch_release", watches.watch(key)).await {
+                    tracing::debug!(error = %lock_core::ErrorChain(&error), "a waiter's release watch was not made; it waits on its retry timer");
+                }
+            }
+        }
         self.step("try_acquire", async {
             // Sent again after a failover, a grant may leave a lease
             // unused: it expires with its ttl.
@@ -1111,7 +1123,13 @@ impl LockBackend for EtcdBackend {
             return Ok(ReleaseWatch::never());
         };
         let watch = self.inner.hub.watch(key);
-        self.step("watch_release", watches.watch(key)).await?;
+        // A holder's watch [L5] follows the name's line from now on; a
+        // waiter's is made by its next attempt: an unqueued attempt
+        // follows the line, a queued one the key just below its own.
+        let held = self.leases().keys().any(|(name, _)| name == key);
+        if held {
+            self.step("watch_release", watches.watch(key)).await?;
+        }
         Ok(watch)
     }
 }

@@ -37,6 +37,7 @@ use crate::backend::{revoke, EtcdBackend};
 use crate::endpoints::Again;
 use crate::error::protocol;
 use crate::layout::{contender_key, contender_range, is_contender};
+use crate::watch::Follow;
 
 /// A waiter's place in a name's queue, as this backend made it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +62,11 @@ pub(crate) struct Place {
     /// A step is moving its key to the hold lease (taking up a grant):
     /// the claim deadline does not end it meanwhile.
     pub(crate) taking: bool,
+    /// The create revision of its key last announced as granted, so that
+    /// the watch of its predecessor and the watch of the name's whole
+    /// line (when a waiter outside the queue keeps one) announce a grant
+    /// once.
+    pub(crate) announced: i64,
 }
 
 impl Place {
@@ -153,6 +159,21 @@ impl Places {
             place.claim.min(secs(place.ticket_secs)),
             place.ticket_until.saturating_duration_since(Instant::now()),
         ))
+    }
+
+    /// Records that the place's key at `revision` was announced as
+    /// granted; `false` when it already was.
+    pub(crate) fn first_announcement(&self, name: &str, owner: &str, revision: i64) -> bool {
+        let mut first = false;
+        if let Some(place) = self
+            .lock()
+            .get_mut(name)
+            .and_then(|places| places.get_mut(owner))
+        {
+            first = place.announced != revision;
+            place.announced = revision;
+        }
+        first
     }
 
     /// Marks the place as being taken up; `false` when it is gone (its
@@ -250,6 +271,11 @@ fn line_of(name: &str, kvs: &[KeyValue]) -> Vec<Contender> {
     line
 }
 
+/// The revision a read answered at.
+fn revision(header: Option<&etcd_client::ResponseHeader>) -> i64 {
+    header.map_or(0, etcd_client::ResponseHeader::revision)
+}
+
 fn fencing_token(revision: i64) -> Result<u64, BackendError> {
     u64::try_from(revision).map_err(|_| protocol("a negative create revision"))
 }
@@ -264,7 +290,7 @@ impl EtcdBackend {
         terms: QueueTerms,
     ) -> Result<AcquireOutcome, BackendError> {
         let renewed = self.inner.places.get(name, owner.as_str()).is_some();
-        let (place, line) = self.keep_place(name, owner, ttl, terms).await?;
+        let (place, line, read_at) = self.keep_place(name, owner, ttl, terms).await?;
         let own = place.key(name);
         let Some(at) = line.iter().position(|c| c.key == own.as_bytes()) else {
             // Gone between its put and the read: the next attempt, at
@@ -281,6 +307,21 @@ impl EtcdBackend {
                 // how.
                 Promoted::Gone { .. } => Ok(AcquireOutcome::busy(Some(Duration::ZERO))),
             };
+        }
+        // [F1] The watch follows the key just below this one (etcd's own
+        // lock's way), and announces the grant when none is left below.
+        if let Some(watches) = &self.inner.watches {
+            watches.follow(Follow {
+                name: name.into(),
+                owner: owner.as_str().into(),
+                ticket: place.ticket,
+                revision: line[at].create_revision,
+                below: line[..at]
+                    .iter()
+                    .map(|c| (c.create_revision, c.key.clone(), c.lease))
+                    .collect(),
+                read_at,
+            });
         }
         // [A9] Only the next waiter reads how long the holder has left,
         // and only on a renewal: a waiter's first queued attempt, on the
@@ -307,7 +348,7 @@ impl EtcdBackend {
         owner: &OwnerToken,
         ttl: Duration,
         terms: QueueTerms,
-    ) -> Result<(Place, Vec<Contender>), BackendError> {
+    ) -> Result<(Place, Vec<Contender>, i64), BackendError> {
         let places = &self.inner.places;
         if let Some(place) = places.get(name, owner.as_str()) {
             let sent = Instant::now();
@@ -321,16 +362,16 @@ impl EtcdBackend {
                 places.update(name, owner.as_str(), place.ticket, |p| {
                     p.ticket_until = p.ticket_until.max(until);
                 });
-                let line = line?;
+                let (line, read_at) = line?;
                 let own = place.key(name);
                 if line.iter().any(|c| c.key == own.as_bytes()) {
-                    return Ok((place, line));
+                    return Ok((place, line, read_at));
                 }
                 // The key is gone while its lease lives (deleted by hand,
                 // or a clean-up's release of a grant): put again, at the
                 // tail.
-                let line = self.put_place(name, owner, &place).await?;
-                return Ok((place, line));
+                let (line, read_at) = self.put_place(name, owner, &place).await?;
+                return Ok((place, line, read_at));
             }
             // [F2] The ticket lease ran out (the waiter stalled past its
             // ticket ttl, and its key went with it): a new place, at the
@@ -340,8 +381,8 @@ impl EtcdBackend {
             }
         }
         let place = self.join_queue(name, owner, ttl, terms).await?;
-        let line = self.put_place(name, owner, &place).await?;
-        Ok((place, line))
+        let (line, read_at) = self.put_place(name, owner, &place).await?;
+        Ok((place, line, read_at))
     }
 
     /// Grants a new place's two leases and records it, before its key is
@@ -378,6 +419,7 @@ impl EtcdBackend {
             hold_until: sent + secs(hold_secs),
             claim: terms.claim,
             taking: false,
+            announced: 0,
         };
         self.inner.places.insert(name, owner.as_str(), place);
         Ok(place)
@@ -390,7 +432,7 @@ impl EtcdBackend {
         name: &str,
         owner: &OwnerToken,
         place: &Place,
-    ) -> Result<Vec<Contender>, BackendError> {
+    ) -> Result<(Vec<Contender>, i64), BackendError> {
         let (start, end) = contender_range(name);
         let txn = Txn::new().and_then(vec![
             TxnOp::put(
@@ -409,13 +451,16 @@ impl EtcdBackend {
             })
             .await?;
         match answer.op_responses().get(1) {
-            Some(TxnOpResponse::Get(read)) => Ok(line_of(name, read.kvs())),
+            Some(TxnOpResponse::Get(read)) => {
+                Ok((line_of(name, read.kvs()), revision(read.header())))
+            }
             _ => Err(protocol("a queued attempt's read answered no range")),
         }
     }
 
-    /// The name's contenders, lowest create revision first.
-    async fn line(&self, name: &str) -> Result<Vec<Contender>, BackendError> {
+    /// The name's contenders, lowest create revision first, and the
+    /// revision they were read at.
+    async fn line(&self, name: &str) -> Result<(Vec<Contender>, i64), BackendError> {
         let (start, end) = contender_range(name);
         let options = line_options(end);
         let read = self
@@ -424,7 +469,7 @@ impl EtcdBackend {
                 async move { client.get(start, Some(options)).await }
             })
             .await?;
-        Ok(line_of(name, read.kvs()))
+        Ok((line_of(name, read.kvs()), revision(read.header())))
     }
 
     /// \[A9\] How long the holder's lease has left: etcd answers whole
@@ -622,7 +667,7 @@ impl EtcdBackend {
         let revision = match i64::try_from(lease.fencing_token()) {
             Ok(revision) if revision > 0 => revision,
             // No token: the key holds if it is the lowest.
-            _ => match self.line(name).await?.first() {
+            _ => match self.line(name).await?.0.first() {
                 Some(c) if c.key == place.key(name).as_bytes() => c.create_revision,
                 Some(_) => return Ok(ExtendOutcome::Taken),
                 None => return Ok(ExtendOutcome::Expired),
@@ -650,13 +695,28 @@ impl EtcdBackend {
         }
     }
 
-    /// Whether the place's key is the name's lowest contender: its create
-    /// revision when it is.
-    async fn holds(&self, name: &str, place: &Place) -> Result<Option<i64>, BackendError> {
+    /// The create revision under which the place's key holds, if it
+    /// holds. A lease with a fencing token was granted \[F1\]: its token
+    /// is the create revision of a key that was the lowest contender when
+    /// the grant was announced, and no key can be created below it since,
+    /// so that key holds for as long as it stands, which the step's own
+    /// comparisons (its value and that create revision) check: no read.
+    /// Without one (a clean-up after an attempt whose answer was lost),
+    /// the key holds when the name's contenders, read, have it lowest.
+    async fn holds(
+        &self,
+        name: &str,
+        lease: &Lease,
+        place: &Place,
+    ) -> Result<Option<i64>, BackendError> {
+        if let Ok(revision @ 1..) = i64::try_from(lease.fencing_token()) {
+            return Ok(Some(revision));
+        }
         let own = place.key(name);
         Ok(self
             .line(name)
             .await?
+            .0
             .first()
             .filter(|c| c.key == own.as_bytes())
             .map(|c| c.create_revision))
@@ -665,15 +725,15 @@ impl EtcdBackend {
     /// The release of a lock whose grant was not taken up yet (its key
     /// still on its ticket lease), or of a waiter (a clean-up after an
     /// attempt whose answer was lost): the key is deleted, and its leases
-    /// revoked, only when it is the lowest contender, which holds; a
-    /// waiter keeps its place.
+    /// revoked, only when it holds (see [`holds`](Self::holds)); a
+    /// waiter keeps its place. A grant's release is one round trip.
     pub(crate) async fn release_place(
         &self,
         lease: &Lease,
         place: Place,
     ) -> Result<ReleaseOutcome, BackendError> {
         let (name, owner) = (lease.key(), lease.owner());
-        let Some(revision) = self.holds(name, &place).await? else {
+        let Some(revision) = self.holds(name, lease, &place).await? else {
             return Ok(ReleaseOutcome::NotHeld);
         };
         // Taken first, so that a move under way does not remember it.
@@ -707,7 +767,7 @@ impl EtcdBackend {
         secs: i64,
     ) -> Result<ExtendOutcome, BackendError> {
         let (name, owner) = (lease.key(), lease.owner());
-        let Some(revision) = self.holds(name, &place).await? else {
+        let Some(revision) = self.holds(name, lease, &place).await? else {
             return Ok(ExtendOutcome::Taken);
         };
         self.inner.places.remove(name, owner.as_str(), place.ticket);
