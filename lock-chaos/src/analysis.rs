@@ -98,8 +98,6 @@ struct Analysis<'l> {
     ttl: u64,
     /// The fair queue's ticket ttl, in µs.
     ticket_ttl: u64,
-    /// The fair queue's claim deadline, in µs.
-    claim: u64,
     check_unfaulted_losses: bool,
 }
 
@@ -129,7 +127,6 @@ impl<'l> Analysis<'l> {
         };
         let ttl = run.map_or(DEFAULT_TTL_MS, |r| r.ttl_ms) * 1000;
         let ticket_ttl = run.map_or(DEFAULT_TICKET_TTL_MS, |r| r.ticket_ttl_ms) * 1000;
-        let claim = run.map_or(DEFAULT_CLAIM_MS, |r| r.claim_ms) * 1000;
         let report = Report {
             summary: Summary {
                 run: run.cloned(),
@@ -150,7 +147,6 @@ impl<'l> Analysis<'l> {
             bound,
             ttl,
             ticket_ttl,
-            claim,
             check_unfaulted_losses: run.is_some_and(|r| r.check_unfaulted_losses),
         }
     }

@@ -15,7 +15,7 @@ use crate::task::Signal;
 /// How long a request's lease is certainly valid after it was sent: the
 /// ttl less the margin for clock drift between this process and the store
 /// (1% of the ttl plus 2 ms). And the extension lead (see [`HeldLock`]).
-fn validity(ttl: Duration) -> (Duration, Duration) {
+pub(crate) fn validity(ttl: Duration) -> (Duration, Duration) {
     // In whole nanoseconds: `Duration`'s operators check and normalise at
     // every step. MIN_TTL keeps two thirds of the ttl above the margin.
     let ttl_ns = u64::try_from(ttl.as_nanos()).unwrap_or(u64::MAX);

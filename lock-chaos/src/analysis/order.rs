@@ -42,18 +42,9 @@
 //!    attempt of X was answered that it acquired, too late to use \[H6\];
 //! 5. X's call was never logged (a worker killed mid-call).
 //!
-//! A place given up for no such cause is not excused. One such give-up is
-//! counted apart, as a known defect of the driver rather than a
-//! violation, until it is fixed: X's node released a grant to X under X's
-//! token as run out, at least the lock's validity (the ttl less its drift
-//! margin) after X's last attempt but less than the claim deadline after
-//! it, when the grant, made after that attempt's busy answer, still had
-//! time to be taken up in the store. The driver counts a grant's validity
-//! from the waiter's last busy answer plus the ttl, not plus the claim
-//! deadline, when the claim is the longer (`grant_sent_at` in
-//! `lock-core/src/locker/queue.rs`), so a grant that comes in the last
-//! moments of a heartbeat interval is dropped, and its waiter goes from
-//! the head to the tail ([`QueueOrderSummary::dropped_grants`]).
+//! A place given up for no such cause is not excused: a grant its own
+//! node dropped while the store still held it for the waiter is out of
+//! order.
 //!
 //! X giving up, timing out or being cancelled needs no excuse: its call
 //! ended without the lock, which leaves the pair undecided. Nothing else
@@ -92,12 +83,6 @@ pub struct QueueOrderSummary {
     /// Pairs checked whose order changed with nothing to explain it (each
     /// one a violation).
     pub out_of_order: usize,
-    /// Pairs checked whose order changed because the waiter ahead's own
-    /// node dropped a grant to it as run out within its claim deadline:
-    /// the driver's known defect (see the module docs), counted apart and
-    /// not reported as a violation.
-    #[serde(default)]
-    pub dropped_grants: usize,
     /// Pairs whose order was never observed to change nor decided: one
     /// waiter left without the lock before the other acquired, or neither
     /// acquired with its token.
@@ -109,10 +94,9 @@ pub struct QueueOrderSummary {
 }
 
 impl QueueOrderSummary {
-    /// Pairs the check applied to: in order, excused, out of order or out
-    /// of order by a dropped grant.
+    /// Pairs the check applied to: in order, excused or out of order.
     pub fn checked(&self) -> usize {
-        self.in_order + self.excused + self.out_of_order + self.dropped_grants
+        self.in_order + self.excused + self.out_of_order
     }
 }
 
@@ -151,7 +135,6 @@ enum Verdict {
     InOrder,
     Excused(String),
     OutOfOrder,
-    DroppedGrant,
     Undecided,
     AcquiredBeforeRead,
 }
@@ -201,7 +184,6 @@ impl<'l> Analysis<'l> {
                         *summary.excuses.entry(why).or_insert(0) += 1;
                     }
                     Verdict::OutOfOrder => summary.out_of_order += 1,
-                    Verdict::DroppedGrant => summary.dropped_grants += 1,
                     Verdict::Undecided => summary.undecided += 1,
                     Verdict::AcquiredBeforeRead => summary.acquired_before_read += 1,
                 }
@@ -297,7 +279,7 @@ impl<'l> Analysis<'l> {
             });
         }
         let mut excused = None;
-        let (mut out_of_order, mut dropped) = (false, false);
+        let mut out_of_order = false;
         for w in merged.windows(2) {
             let (before, after) = (w[0], w[1]);
             if before.ahead == after.ahead {
@@ -307,19 +289,16 @@ impl<'l> Analysis<'l> {
             let ahead = waiters.get(before.ahead);
             if let Some(why) = self.excuse(key, ahead, from, after.t_first) {
                 excused.get_or_insert(why);
-            } else if ahead.is_some_and(|w| self.dropped_grant(w, after.t_first)) {
-                dropped = true;
             } else {
                 out_of_order = true;
                 self.report_change(key, before, after, waiters);
             }
         }
-        match (out_of_order, dropped, excused, decided) {
+        match (out_of_order, excused, decided) {
             (true, ..) => Verdict::OutOfOrder,
-            (false, true, ..) => Verdict::DroppedGrant,
-            (false, false, Some(why), _) => Verdict::Excused(why),
-            (false, false, None, Some(_)) => Verdict::InOrder,
-            (false, false, None, None) => Verdict::Undecided,
+            (false, Some(why), _) => Verdict::Excused(why),
+            (false, None, Some(_)) => Verdict::InOrder,
+            (false, None, None) => Verdict::Undecided,
         }
     }
 
@@ -363,22 +342,6 @@ impl<'l> Analysis<'l> {
             return Some("the waiter ahead acquired too late to use".to_owned());
         }
         None
-    }
-
-    /// Whether `ahead`'s own node dropped a grant to it, by `to`, that the
-    /// store still held for it: a place its call gave up for no recorded
-    /// cause, released under its token at least the lock's validity (ttl
-    /// less the drift margin, 1 % and 2 ms) after its last attempt, and
-    /// less than the claim deadline after it (see the module docs).
-    fn dropped_grant(&self, ahead: &Waiter<'l>, to: u64) -> bool {
-        let place = ahead.place;
-        let validity = self.ttl - self.ttl / 100 - 2_000;
-        matches!(ahead.exit, Exit::Superseded { .. })
-            && place.failed_at.is_empty()
-            && place.acquired_at.is_none()
-            && place.released_at.is_some_and(|r| {
-                r <= to && r >= place.last_sent + validity && r < place.last_sent + self.claim
-            })
     }
 
     fn report_change(

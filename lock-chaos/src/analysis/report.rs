@@ -305,9 +305,8 @@ impl fmt::Display for Report {
                 writeln!(
                     f,
                     "fair queue order: {} pairs of waiters seen in the store's queue ({} reads); \
-                     {} checked: {} in order, {} excused{}, {} out of order, {} out of order by \
-                     a grant its waiter's node dropped within its claim deadline (a known \
-                     defect); {} undecided, {} acquired before a read saw them",
+                     {} checked: {} in order, {} excused{}, {} out of order; {} undecided, {} \
+                     acquired before a read saw them",
                     o.pairs,
                     o.reads,
                     o.checked(),
@@ -319,7 +318,6 @@ impl fmt::Display for Report {
                         format!(" ({})", excuses.join(", "))
                     },
                     o.out_of_order,
-                    o.dropped_grants,
                     o.undecided,
                     o.acquired_before_read
                 )?;

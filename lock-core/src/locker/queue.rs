@@ -100,25 +100,39 @@ pub(crate) fn leave(registry: &Arc<Registry>, key: Arc<str>, owner: OwnerToken, 
 }
 
 /// The clock reading from which a grant's validity counts, as an
-/// acquisition's counts from the moment it was sent: `asked`, the send time
-/// of the waiter's last attempt that the store answered busy. The grant
-/// came after the store answered that attempt, so its claim deadline ends
-/// after `asked` plus the claim, whenever the grant's message arrived (a
-/// process stopped past the claim deadline finds its grant run out, not
-/// fresh). The first extension, due at once, makes the lock its own ttl.
-/// `None` when the clock cannot go back that far.
-pub(crate) fn grant_sent_at(asked: Instant, grant: &Grant, ttl: Duration) -> Option<Instant> {
-    asked.checked_sub(ttl.saturating_sub(grant.claim))
+/// acquisition's counts from the moment it was sent, so that the lock is
+/// valid until `asked` plus the claim deadline: `asked` is the send time of
+/// the waiter's last attempt that the store answered busy, and the grant
+/// came after the store answered it, so the store holds the grant at least
+/// that long, whenever the grant's message arrived (a process stopped past
+/// the claim deadline finds its grant run out, not fresh). With a claim
+/// deadline longer than the ttl that reading is after `asked`; it is never
+/// after `now` (the lock is then valid for the ttl from now, still within
+/// the claim). The first extension, due at once, makes the lock its own
+/// ttl. `None` when the clock cannot go back that far.
+pub(crate) fn grant_sent_at(
+    asked: Instant,
+    grant: &Grant,
+    ttl: Duration,
+    now: Instant,
+) -> Option<Instant> {
+    match grant.claim.checked_sub(ttl) {
+        Some(ahead) => Some((asked + ahead).min(now)),
+        None => asked.checked_sub(ttl - grant.claim),
+    }
 }
 
 impl Inner {
     /// Starts holding the lock `grant` gave `owner` \[F1\], with no round
     /// trip: its validity counts from `asked`, the send time of the
     /// waiter's last attempt answered busy (see [`grant_sent_at`]), and
-    /// its first extension, due at once, takes it up. `None` when the
-    /// grant ran out before it could be used: nothing was done, and the
-    /// waiter's next attempt takes the grant up if the store still holds
-    /// it for this owner. An error when it ran out while being taken: it
+    /// its first extension, due at once, takes it up. `None` when this
+    /// process cannot count the grant valid any more (its message came
+    /// late, or the waiter's last busy answer is older than the claim
+    /// deadline, as with a long ticket ttl): nothing was done, and the
+    /// waiter's next attempt, at once, takes the grant up if the store
+    /// still holds it for this owner. An error when it ran out while being
+    /// taken (the clock moved on between that check and the record): it
     /// is then released in the background with this owner token, which
     /// the waiter must not hold under again.
     pub(crate) async fn take_grant(
@@ -129,7 +143,11 @@ impl Inner {
         asked: Instant,
         config: &LockConfig,
     ) -> Option<Result<(u64, Arc<HeldLock>), BackendError>> {
-        let sent_at = grant_sent_at(asked, grant, config.ttl)?;
+        let now = Instant::now();
+        let sent_at = grant_sent_at(asked, grant, config.ttl, now)?;
+        if sent_at + crate::held::validity(config.ttl).0 <= now {
+            return None;
+        }
         let lease = Lease::new(Arc::clone(key), owner.clone(), grant.fencing_token);
         let in_flight = self.registry.attempt_started();
         Some(
@@ -162,6 +180,38 @@ impl Inner {
                  (give the lock user the queue's rights, or run the backend's migration; \
                  see the backend's README)"
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(claim: Duration) -> Grant {
+        Grant::new("n/0", 7, claim)
+    }
+
+    /// The lock a grant starts is valid until the last busy attempt's send
+    /// time plus the claim deadline, never past it, and never from a
+    /// reading after now: with a ttl shorter than the claim (1 s and 2 s) a
+    /// grant arriving 1.5 s after that attempt is still valid for 0.5 s.
+    #[test]
+    fn a_grant_is_valid_until_the_last_busy_attempt_plus_the_claim() {
+        let asked = Instant::now();
+        let (second, claim) = (Duration::from_secs(1), Duration::from_secs(2));
+        for (ttl, now, valid_until) in [
+            // ttl shorter than the claim: up to asked + claim.
+            (second, asked + second * 3 / 2, asked + claim),
+            // just after the attempt: the ttl from now, within the claim.
+            (second, asked + second / 10, asked + second / 10 + second),
+            // ttl longer than the claim: asked + claim.
+            (second * 30, asked + second / 2, asked + claim),
+        ] {
+            let sent_at = grant_sent_at(asked, &grant(claim), ttl, now).unwrap();
+            assert!(sent_at <= now);
+            assert_eq!(sent_at + ttl, valid_until, "ttl {ttl:?}");
+            assert!(sent_at + ttl <= asked + claim);
         }
     }
 }
