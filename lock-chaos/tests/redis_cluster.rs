@@ -18,3 +18,21 @@ fn redis_cluster_survives_every_fault() {
         &["--heal", "2s"],
     );
 }
+
+/// Every worker on one key (SPEC F1–F3 on a Cluster: the queue's keys in
+/// the lock key's slot, grants on its shard channel), through the same
+/// faults: a master paused or killed and its replica promoted, which may
+/// lose the queue with the lock. The same checks as on one server but the
+/// queue's order: the coordinator reads the queue of a single server, not
+/// a Cluster's. `CHAOS_CLUSTER_HOT_KEY_SECONDS` sets how long (default 60:
+/// on one key a fault's heal takes longer, and 40 s fit four of the five
+/// faults); the liveness bound is 8 s, as on one server's hot key.
+#[test]
+fn redis_cluster_survives_every_fault_on_one_hot_key() {
+    common::run_and_check(
+        "redis-cluster",
+        common::seconds_from("CHAOS_CLUSTER_HOT_KEY_SECONDS", 60),
+        1,
+        &["--heal", "2s", "--keys", "1", "--liveness-bound", "8s"],
+    );
+}
