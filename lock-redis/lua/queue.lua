@@ -67,7 +67,16 @@ end
 --   "\0grant <fencing token> <claim ms> <length of the owner>\n<owner><lock key>"
 -- (no lock key starts with NUL: the driver refuses keys holding one),
 -- a free key as the lock key alone, as before the queue.
-local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now, publish)
+--
+-- With `grants` (one server, Sentinel), the grant goes instead to the
+-- grantee's node alone [F4], on `grants .. <node id>` (the owner token up
+-- to its last '/'), where its backend listens from before its first
+-- queued attempt: every other node's subscription stays asleep. Where
+-- nobody listens there (a node of an earlier version, or one whose ACL
+-- refused it the channel: PUBLISH answers 0), or the releaser's ACL
+-- refuses the channel, it goes on `channel` as before. Returns true in
+-- that last case, for the backend to log it once.
+local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now, publish, grants)
     local head, claim = head_of(queue, waiters, now)
     redis.call('DEL', lock)
     if head then
@@ -79,16 +88,21 @@ local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now, pu
             -- finds it out at its next attempt, and waits out the gap).
             redis.call('HDEL', waiters, '')
             redis.call('HSET', waiters, '!', now + GAP)
-            return
+            return false
         end
     end
     if head then
         local token = acquire(lock, fence, head, claim, tonumber(claim) + tonumber(fence_idle))
         if type(token) ~= 'table' then
             forget(queue, waiters, head)
-            redis.call(publish, channel,
-                '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock)
-            return
+            local message = '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock
+            local node = grants and string.match(head, '^(.*)/')
+            local heard = node and redis.pcall('PUBLISH', grants .. node, message)
+            if type(heard) == 'number' and heard > 0 then
+                return false
+            end
+            redis.call(publish, channel, message)
+            return type(heard) == 'table'
         end
         -- A companion that holds no counter: the key stays free (acquire
         -- deleted it again), and the head finds that out itself.
@@ -97,4 +111,5 @@ local function hand_on(lock, fence, queue, waiters, channel, fence_idle, now, pu
         redis.call('HDEL', waiters, '')
     end
     redis.call(publish, channel, lock)
+    return false
 end

@@ -12,6 +12,10 @@
 -- ARGV[4]  the publish command: PUBLISH (one server, Sentinel; the
 --          default) or SPUBLISH (Redis Cluster, ARGV[2] the shard
 --          channel of the key's slot)
+-- ARGV[5]  the grant channels' prefix (one server, Sentinel; none on a
+--          Cluster): a grant goes to `ARGV[5] .. <the grantee's node id>`
+--          alone [F4], or to the release channel where nobody listens
+--          there (see queue.lua's `hand_on`)
 --
 -- The common release (nobody queued) runs three commands, as before the
 -- queue but for the EXISTS of the queue. The grant is queue.lua's
@@ -32,7 +36,8 @@
 -- makes, is another owner's lock, not an error.)
 --
 -- Returns 1 when released (or granted), 0 when the key was not held by the
--- owner token (nothing changed, nothing published).
+-- owner token (nothing changed, nothing published), 2 when granted and the
+-- ACL refused the grant channel (the grant went on the release channel).
 local lock = KEYS[1]
 if redis.pcall('GET', lock) ~= ARGV[1] then
     return 0
@@ -101,8 +106,16 @@ if redis.pcall('EXISTS', KEYS[3]) == 1 then
             if token == clock then
                 redis.call('PEXPIRE', fence, fence_ttl)
             end
-            redis.call(ARGV[4] or 'PUBLISH', ARGV[2],
-                '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock)
+            local message = '\0grant ' .. token .. ' ' .. claim .. ' ' .. #head .. '\n' .. head .. lock
+            local node = ARGV[5] and string.match(head, '^(.*)/')
+            local heard = node and redis.pcall('PUBLISH', ARGV[5] .. node, message)
+            if type(heard) == 'number' and heard > 0 then
+                return 1
+            end
+            redis.call(ARGV[4] or 'PUBLISH', ARGV[2], message)
+            if type(heard) == 'table' then
+                return 2
+            end
             return 1
         end
     end

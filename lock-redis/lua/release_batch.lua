@@ -8,7 +8,9 @@
 -- ARGV[1]         the release channel; each message is a released lock
 --                 key, or a grant's message (see queue.lua)
 -- ARGV[2]         the companions' idle period in milliseconds
--- ARGV[i+2]       the owner token of the i-th lock
+-- ARGV[3]         the grant channels' prefix: a grant goes to the
+--                 grantee's node alone (see queue.lua's `hand_on`)
+-- ARGV[i+3]       the owner token of the i-th lock
 --
 -- A free key's message is published only if someone listens (a
 -- subscriber of the channel, or any pattern subscriber): asked once for
@@ -25,22 +27,28 @@
 -- makes, is another owner's lock, not an error.)
 --
 -- Returns one answer per lock, in order: 1 released (or granted), 0 not
--- held by its owner token (nothing changed, nothing published).
-local listened = redis.call('PUBSUB', 'NUMSUB', ARGV[1])[2] > 0
+-- held by its owner token (nothing changed, nothing published), 2 granted
+-- and the ACL refused the grant channel (it went on the release channel).
+-- (pcall: a user whose ACL lacks PUBSUB, which the README's rules do not
+-- list, publishes every release, as release.lua does.)
+local subscribers = redis.pcall('PUBSUB', 'NUMSUB', ARGV[1])
+local listened = subscribers.err ~= nil or subscribers[2] > 0
     or redis.call('PUBSUB', 'NUMPAT') > 0
 local answers = {}
 for i = 1, #KEYS / 4 do
     local lock = KEYS[4 * i - 3]
-    if redis.pcall('GET', lock) == ARGV[i + 2] then
+    answers[i] = 1
+    if redis.pcall('GET', lock) == ARGV[i + 3] then
         if redis.pcall('EXISTS', KEYS[4 * i - 1]) == 1 then
-            hand_on(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], ARGV[1], ARGV[2], now_ms(), 'PUBLISH')
+            if hand_on(lock, KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i], ARGV[1], ARGV[2], now_ms(), 'PUBLISH', ARGV[3]) then
+                answers[i] = 2
+            end
         else
             redis.call('DEL', lock)
             if listened then
                 redis.call('PUBLISH', ARGV[1], lock)
             end
         end
-        answers[i] = 1
     else
         answers[i] = 0
     end

@@ -16,6 +16,11 @@ use crate::tls::Trust;
 /// The name of the release channel, after the prefix.
 pub const CHANNEL: &str = "withlock:released";
 
+/// The start of a node's grant channel, after the prefix and before the
+/// node id: a grant of the fair queue goes to the grantee's node alone
+/// (one server, Sentinel; see the README's "The fair queue").
+pub const GRANT_CHANNEL: &str = "withlock:granted:";
+
 /// A lock backend on Redis: `SET NX PX`, a fencing counter per key, and
 /// release notifications over one pub/sub connection. Under load, the
 /// acquisitions and releases that many tasks make at once go out as one

@@ -22,7 +22,7 @@ mod subscription;
 pub mod testing;
 mod tls;
 
-pub use backend::{RedisBackend, CHANNEL};
+pub use backend::{RedisBackend, CHANNEL, GRANT_CHANNEL};
 pub use cluster::RedisClusterBackend;
 pub use cluster_subscription::SubscriptionStats;
 pub use config::{RedisConfig, SetupError};

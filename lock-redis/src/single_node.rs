@@ -21,13 +21,13 @@ use lock_core::{
 use redis::aio::MultiplexedConnection;
 use redis::FromRedisValue;
 
-use crate::backend::CHANNEL;
+use crate::backend::{CHANNEL, GRANT_CHANNEL};
 use crate::batch::{fail_dropped, spawn_or_drop, Batcher, Queued};
 use crate::config::{connect_error, RedisConfig, SetupError};
 use crate::plumbing::connection::{step_broke, ConnectionSlot};
 use crate::plumbing::driver::Driver;
 use crate::plumbing::errors::{is_key_refused, map_redis_error};
-use crate::plumbing::queue::{queue_keys, queued_outcome, QueueRights};
+use crate::plumbing::queue::{queue_keys, queued_outcome, GrantChannelRights, QueueRights};
 use crate::plumbing::redact;
 use crate::plumbing::scripts::{acquire_outcome, extend_outcome, release_outcome, ttl_ms};
 use crate::plumbing::scripts::{
@@ -100,6 +100,8 @@ struct Inner<S> {
     durable: ConnectionSlot,
     config: RedisConfig,
     channel: String,
+    /// The start of each node's grant channel, before the node id \[F4\].
+    grant_prefix: String,
     subscription: Option<Subscription>,
     /// The check that the pub/sub client, when the user gave it beside
     /// their own pool, hears the pool's server.
@@ -115,6 +117,8 @@ struct Inner<S> {
     driver: Driver,
     /// Whether releases may touch the fair queue's keys \[F6\].
     queue_rights: QueueRights,
+    /// The log of a grant channel the ACL refuses to releases \[F6\].
+    grant_rights: GrantChannelRights,
 }
 
 impl<S: Source> SingleNode<S> {
@@ -131,6 +135,7 @@ impl<S: Source> SingleNode<S> {
         let same_server = (separate_client && config.release_notifications)
             .then(|| SameServer::new(config.health_check_interval));
         let channel = format!("{}{CHANNEL}", config.prefix);
+        let grant_prefix = format!("{}{GRANT_CHANNEL}", config.prefix);
         let subscription = config
             .release_notifications
             .then(|| Subscription::new(pubsub, channel.clone(), config.prefix.clone(), &config));
@@ -141,6 +146,7 @@ impl<S: Source> SingleNode<S> {
                 durable: ConnectionSlot::default(),
                 config,
                 channel,
+                grant_prefix,
                 subscription,
                 same_server,
                 switches: AtomicU64::new(0),
@@ -148,6 +154,7 @@ impl<S: Source> SingleNode<S> {
                 releases: Batcher::default(),
                 driver: Driver::default(),
                 queue_rights: QueueRights::default(),
+                grant_rights: GrantChannelRights::default(),
             }),
         }
     }
@@ -516,6 +523,7 @@ impl<S: Source> BatchOnTheWire<S> {
                     args.push(&backend.inner.channel);
                     if queue {
                         args.push(&fence_idle);
+                        args.push(&backend.inner.grant_prefix);
                     }
                 }
                 for queued in &self.batch {
@@ -833,10 +841,12 @@ impl<S: Source> SingleNode<S> {
                     owner,
                     &self.inner.channel,
                     &self.inner.config.fence_idle_ms(),
+                    "PUBLISH",
+                    &self.inner.grant_prefix,
                 ];
                 match self.run_script("release", &RELEASE, &keys, &args).await {
                     Err(error) if is_key_refused(&error) => self.inner.queue_rights.refuse(&error),
-                    answer => return release_outcome(answer?),
+                    answer => return release_outcome(self.inner.grant_rights.read(answer?)),
                 }
             }
             let args = [owner, &self.inner.channel];
@@ -850,7 +860,9 @@ impl<S: Source> SingleNode<S> {
                     vec![lease.owner().as_str().to_owned()],
                 )
                 .await?;
-            i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?
+            let answer =
+                i64::from_redis_value(&answer).map_err(|e| protocol_error("release", &e))?;
+            self.inner.grant_rights.read(answer)
         };
         release_outcome(answer)
     }
@@ -863,6 +875,11 @@ impl<S: Source> SingleNode<S> {
         ttl: Duration,
         terms: QueueTerms,
     ) -> Result<AcquireOutcome, BackendError> {
+        // Before the attempt that may make the node's place: a grant to it
+        // then comes on its own channel [F4].
+        if let Some(subscription) = &self.inner.subscription {
+            Box::pin(subscription.hear_grants_of(owner.node_id())).await;
+        }
         let lock_key = self.lock_key(key);
         let keys = queue_keys(&lock_key);
         let keys = keys.each_ref().map(String::as_str);
@@ -893,10 +910,12 @@ impl<S: Source> SingleNode<S> {
             &self.inner.channel,
             &self.inner.config.fence_idle_ms(),
             "PUBLISH",
+            &self.inner.grant_prefix,
         ];
-        let _handed_on: i64 = self
+        let handed_on: i64 = self
             .run_script("leaving the queue", &LEAVE_QUEUE, &keys, &args)
             .await?;
+        self.inner.grant_rights.read(handed_on);
         Ok(())
     }
 
@@ -1003,9 +1022,11 @@ macro_rules! single_node_lock_backend {
             }
 
             /// `DEL` if the key still holds the owner token, then `PUBLISH` of the
-            /// key on the release channel, in one script. The fencing companion
-            /// keeps the expiry the last acquisition or extension gave it: at
-            /// least [`fence_idle`](crate::RedisConfig::fence_idle) after the release.
+            /// key on the release channel, in one script; with waiters queued, the
+            /// grant to the head instead, published on its node's grant channel
+            /// \[F4\]. The fencing companion keeps the expiry the last acquisition
+            /// or extension gave it: at least
+            /// [`fence_idle`](crate::RedisConfig::fence_idle) after the release.
             ///
             /// # Cancel safety
             ///

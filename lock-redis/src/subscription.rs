@@ -1,14 +1,16 @@
 //! The one pub/sub connection of a backend, shared by all its waiters.
 //!
 //! A background task holds the connection, subscribed to the release
-//! channel, and hands each message (a released Redis key) to a
-//! [`ReleaseHub`]. When the connection drops or stops answering pings, the
-//! task reconnects with backoff, resubscribes and wakes every watch, since
-//! it may have missed releases in between. It ends when the backend is
-//! dropped.
+//! channel and to the grant channel of each node that queued through the
+//! backend, and hands each message (a released Redis key, or a grant) to
+//! a [`ReleaseHub`]. When the connection drops or stops answering pings,
+//! the task reconnects with backoff, resubscribes and wakes every watch,
+//! since it may have missed releases in between. It ends when the backend
+//! is dropped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -16,7 +18,7 @@ use lock_core::{BackendError, BackendErrorKind, ReleaseHub, ReleaseWatch};
 use tokio::sync::watch;
 
 use crate::plumbing::driver::Driver;
-use crate::plumbing::errors::map_redis_error;
+use crate::plumbing::errors::{is_key_refused, map_redis_error};
 use crate::plumbing::task::{deliver, ticker, OnFirstUse, FIRST_RECONNECT_DELAY};
 use crate::plumbing::timeout::within;
 
@@ -62,10 +64,34 @@ impl PubSubTarget {
     }
 }
 
+/// The most nodes whose grant channels one backend listens to: a
+/// backend shared by lockers made and dropped in a loop (each with a drawn
+/// node id) would otherwise subscribe without end. The grants of a node
+/// beyond it come on the release channel, as to a node of an earlier
+/// version.
+const MAX_GRANT_CHANNELS: usize = 256;
+
+/// The grant channels of the nodes that queue through the backend \[F4\].
+struct Grants {
+    /// The current connection's sink while it is subscribed: a node that
+    /// queues for the first time subscribes its channel on it.
+    sink: Option<redis::aio::PubSubSink>,
+}
+
 struct Shared {
     client: PubSubTarget,
     channel: String,
     prefix: String,
+    /// The start of every grant channel, before the node id.
+    grant_prefix: String,
+    /// The node ids whose grant channels are subscribed (or refused), each
+    /// time the connection is made.
+    nodes: Mutex<HashSet<Box<str>>>,
+    /// Held while a grant channel is subscribed, so that a node added
+    /// while the connection is made is subscribed by one or the other.
+    grants: tokio::sync::Mutex<Grants>,
+    /// Whether the ACL refused a grant channel (logged once).
+    grants_refused: AtomicBool,
     hub: ReleaseHub,
     state: watch::Sender<State>,
     /// How many times the subscription was made: a watch woken meanwhile
@@ -97,7 +123,11 @@ impl Subscription {
         let shared = Arc::new(Shared {
             client,
             channel,
+            grant_prefix: format!("{prefix}{}", crate::GRANT_CHANNEL),
             prefix,
+            nodes: Mutex::new(HashSet::new()),
+            grants: tokio::sync::Mutex::new(Grants { sink: None }),
+            grants_refused: AtomicBool::new(false),
             hub: ReleaseHub::new(),
             state,
             made: AtomicU64::new(0),
@@ -163,6 +193,37 @@ impl Subscription {
         }
     }
 
+    /// Subscribes the grant channel of `node` (once per node, and again at
+    /// each reconnection), so that a grant to one of its waiters comes to
+    /// this backend alone \[F4\]; returns once the server confirmed it, or
+    /// at once when the connection is not up (it is subscribed when the
+    /// connection is made). Called before a node's queued attempt is
+    /// sent. Never fails: where the channel is not subscribed (refused by
+    /// the ACL, the connection down, too many nodes) the release script
+    /// finds nobody listening on it and publishes the grant on the release
+    /// channel, as before.
+    pub(crate) async fn hear_grants_of(&self, node: &str) {
+        let shared = &self.shared;
+        if shared.knows(node) {
+            return;
+        }
+        let mut grants = shared.grants.lock().await;
+        {
+            let mut nodes = shared.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+            if nodes.contains(node) || nodes.len() >= MAX_GRANT_CHANNELS {
+                return;
+            }
+            nodes.insert(node.into());
+        }
+        if let Some(sink) = &mut grants.sink {
+            if let Err(error) = subscribe_grants(shared, sink, node).await {
+                // The task finds the connection broken and makes it again,
+                // subscribing this node's channel then.
+                tracing::debug!(error = %lock_core::ErrorChain(&error), "grant channel not subscribed");
+            }
+        }
+    }
+
     fn start_task(&self) {
         self.task.start(&self.driver, |shared| {
             let ended = Arc::clone(&shared);
@@ -173,13 +234,74 @@ impl Subscription {
     }
 }
 
+impl Shared {
+    fn knows(&self, node: &str) -> bool {
+        self.nodes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(node)
+    }
+}
+
+/// Subscribes the grant channel of `node` on `sink`. The ACL's refusal is
+/// no error: the node's grants then come on the release channel, and the
+/// log says so once \[F6\].
+async fn subscribe_grants(
+    shared: &Shared,
+    sink: &mut redis::aio::PubSubSink,
+    node: &str,
+) -> Result<(), BackendError> {
+    let channel = format!("{}{node}", shared.grant_prefix);
+    let subscribe = async { sink.subscribe(&channel).await.map_err(map_redis_error) };
+    match within("subscribing a grant channel", shared.timeout, subscribe).await {
+        Err(error) if is_key_refused(&error) => {
+            if !shared.grants_refused.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %lock_core::ErrorChain(&error), %channel, "the ACL refuses the grant channel; this node's grants come on the release channel, which wakes every node (add `&{}*` to the user: see lock-redis's README)", shared.grant_prefix);
+            }
+            Ok(())
+        }
+        answer => answer,
+    }
+}
+
+/// Subscribes the grant channel of every node known so far on `sink`, and
+/// keeps `sink` for the nodes that come later.
+async fn subscribe_all_grants(
+    shared: &Shared,
+    sink: &redis::aio::PubSubSink,
+) -> Result<(), BackendError> {
+    let mut grants = shared.grants.lock().await;
+    let nodes: Vec<Box<str>> = shared
+        .nodes
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .iter()
+        .cloned()
+        .collect();
+    let mut own = sink.clone();
+    for node in &nodes {
+        subscribe_grants(shared, &mut own, node).await?;
+    }
+    grants.sink = Some(own);
+    Ok(())
+}
+
 async fn run(shared: &Shared) {
     let mut delay = FIRST_RECONNECT_DELAY;
     let mut first = true;
     loop {
         // Before the connection is made: a switch meanwhile is seen.
         let switches = shared.client.switches();
-        match subscribe(shared).await {
+        let subscribed = match subscribe(shared).await {
+            Ok(pubsub) => {
+                let (sink, messages) = pubsub.split();
+                subscribe_all_grants(shared, &sink)
+                    .await
+                    .map(|()| (sink, messages))
+            }
+            Err(error) => Err(error),
+        };
+        match subscribed {
             Ok(pubsub) => {
                 delay = FIRST_RECONNECT_DELAY;
                 shared.made.fetch_add(1, Ordering::AcqRel);
@@ -193,6 +315,7 @@ async fn run(shared: &Shared) {
                 first = false;
                 tracing::debug!(channel = %shared.channel, "release subscription in place");
                 let why = listen(shared, pubsub, switches).await;
+                shared.grants.lock().await.sink = None;
                 tracing::debug!(error = %lock_core::ErrorChain(&why), "release subscription lost; reconnecting");
                 shared.state.send_replace(State::Down(why));
             }
@@ -224,10 +347,9 @@ async fn subscribe(shared: &Shared) -> Result<redis::aio::PubSub, BackendError> 
 /// it stopped.
 async fn listen(
     shared: &Shared,
-    pubsub: redis::aio::PubSub,
+    (mut sink, mut messages): (redis::aio::PubSubSink, redis::aio::PubSubStream),
     mut switches: Option<watch::Receiver<u64>>,
 ) -> BackendError {
-    let (mut sink, mut messages) = pubsub.split();
     let mut health = ticker(shared.health_check_interval);
     health.tick().await;
     loop {

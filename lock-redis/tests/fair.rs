@@ -1,8 +1,8 @@
-//! SPEC F1–F3, F6 and A9 on a single Redis node: the fair queue's steps
+//! SPEC F1–F6 and A9 on a single Redis node: the fair queue's steps
 //! by hand (`lua/queue.lua`, `acquire_queued.lua`, `leave_queue.lua`, and
 //! the grant in `release.lua` and `release_batch.lua`), the grant's message
-//! on the release channel, and a lock user whose ACL does not reach the
-//! queue's keys.
+//! on the grantee's node's grant channel, and lock users whose ACL does not
+//! reach the queue's keys or the grant channels.
 
 mod common;
 
@@ -10,12 +10,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::acl::{as_user, set_user, PREFIX, SINGLE_NODE};
-use common::{node, within};
+use common::{node, subscriber, within};
+use futures_util::StreamExt;
 use lock_core::{
     AcquireOutcome, Lease, LockBackend, LockConfig, OwnerToken, QueueTerms, ReleaseOutcome,
 };
 use lock_redis::testing::Namespace;
-use lock_redis::{RedisBackend, RedisConfig};
+use lock_redis::{RedisBackend, RedisConfig, CHANNEL, GRANT_CHANNEL};
 use withlock_test_servers::redis::{server_url, RedisServer};
 
 const LIMIT: Duration = Duration::from_secs(20);
@@ -506,4 +507,171 @@ fn f1_with_durability_waiting_is_unqueued() {
     assert!(!single(durable.clone()).fair_queue);
     assert!(cluster(RedisConfig::default()).fair_queue);
     assert!(!cluster(durable).fair_queue);
+}
+
+/// Reads `messages` up to `marker`, and says whether one before it named
+/// `key` (a release of it, or a grant of it).
+async fn named_before_marker(
+    messages: &mut (impl futures_util::Stream<Item = redis::Msg> + Unpin),
+    key: &str,
+    marker: &str,
+) -> bool {
+    let mut named = false;
+    loop {
+        let message = within(LIMIT, "the marker", messages.next())
+            .await
+            .expect("the subscription stays open");
+        let payload = String::from_utf8_lossy(message.get_payload_bytes()).into_owned();
+        if payload == marker {
+            return named;
+        }
+        named |= payload.contains(key);
+    }
+}
+
+/// One handoff by hand through two backends, with a plain subscriber of
+/// the release channel beside them: the holder's release grants the key to
+/// the waiter, whose watch hears the grant, and the subscriber hears the
+/// release channel up to a marker published after it; then the waiter
+/// takes its grant up and releases with nobody queued. Returns whether the
+/// grant was heard on the release channel, whether the plain release was,
+/// and the subscribers of the waiter's grant channel after its first
+/// queued attempt.
+async fn hand_over(url: &str, config: RedisConfig, admin_url: &str) -> (bool, bool, i64) {
+    let ns = Namespace::new(admin_url);
+    let key = ns.key("fair grant channel");
+    let node_id = ns.key("waiter node");
+    let channel = format!("{}{CHANNEL}", config.prefix);
+    let grant_channel = format!("{}{GRANT_CHANNEL}{node_id}", config.prefix);
+    let holder_backend = RedisBackend::connect_with(url, config.clone())
+        .await
+        .unwrap();
+    let waiter_backend = RedisBackend::connect_with(url, config).await.unwrap();
+    let (mut listening, mut messages) = subscriber(admin_url, &channel).await.split();
+    let mut admin = common::raw(admin_url).await;
+    let marker = |n: u32| format!("marker {n} {key}!");
+
+    let holder = OwnerToken::new("f4-holder");
+    let held = token_of(
+        holder_backend
+            .try_acquire(&key, &holder, TTL)
+            .await
+            .unwrap(),
+    );
+    let waiter = OwnerToken::new(&node_id);
+    let queued = waiter_backend
+        .try_acquire_queued(&key, &waiter, TTL, TERMS)
+        .await
+        .unwrap();
+    assert!(queued.is_busy());
+    let mut watch = waiter_backend.watch_release(&key).await.unwrap();
+    let (_, listeners): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(&grant_channel)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    let lease = Lease::new(key.as_str(), holder, held);
+    assert_eq!(
+        holder_backend.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released,
+        "a release whose grant channel is refused still releases"
+    );
+    within(LIMIT, "the grant's message", watch.released()).await;
+    let grant = watch.grant().expect("a grant, not a plain release");
+    assert_eq!(&*grant.owner, waiter.as_str());
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg(&channel)
+        .arg(marker(1))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let grant_on_release_channel = named_before_marker(&mut messages, &key, &marker(1)).await;
+
+    let taken = token_of(
+        waiter_backend
+            .try_acquire_queued(&key, &waiter, TTL, TERMS)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(taken, grant.fencing_token);
+    let lease = Lease::new(key.as_str(), waiter, taken);
+    assert_eq!(
+        waiter_backend.release(&lease).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    within(LIMIT, "the plain release's message", watch.released()).await;
+    assert!(watch.grant().is_none());
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg(&channel)
+        .arg(marker(2))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let release_on_release_channel = named_before_marker(&mut messages, &key, &marker(2)).await;
+    listening.unsubscribe(&channel).await.unwrap();
+    (
+        grant_on_release_channel,
+        release_on_release_channel,
+        listeners,
+    )
+}
+
+/// \[F4\] A grant goes to the grantee's node alone: its backend listens on
+/// the node's grant channel from before its first queued attempt, and
+/// the release channel, which every node's subscription hears, carries no
+/// grant; a release with nobody queued is still announced there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f4_a_grant_goes_to_the_grantees_node_alone() {
+    let url = server_url().await;
+    let (grant_heard, release_heard, listeners) =
+        hand_over(&url, RedisConfig::default(), &url).await;
+    assert_eq!(
+        listeners, 1,
+        "the waiter's backend listens on its node's grant channel"
+    );
+    assert!(!grant_heard, "no grant on the release channel");
+    assert!(
+        release_heard,
+        "a plain release is announced on the release channel"
+    );
+}
+
+/// \[F4, F6\] A lock user made by the rules of a release before the grant
+/// channels (no `&Pwithlock:granted:*`) still hands over at once: its
+/// subscription is refused the grant channel and its release the publish
+/// there, so the grant goes on the release channel, as before (the
+/// release does not fail), and the log says so once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f6_a_user_without_the_grant_channels_hears_grants_on_the_release_channel() {
+    let server = RedisServer::start().expect("a redis-server of this test's own");
+    let rules: Vec<&str> = SINGLE_NODE
+        .iter()
+        .copied()
+        .filter(|rule| !rule.contains("withlock:granted"))
+        .collect();
+    assert_eq!(rules.len() + 1, SINGLE_NODE.len());
+    {
+        let client = redis::Client::open(server.url()).unwrap();
+        let mut conn = client.get_connection().unwrap();
+        set_user(&mut conn, "older-locker", "older-secret", &[&rules]);
+    }
+    let url = as_user(&server.url(), "older-locker", "older-secret");
+    let config = RedisConfig::default().prefix(PREFIX);
+    let log = common::Log::default();
+    let (grant_heard, release_heard, listeners) = {
+        let _captured = log.capture();
+        hand_over(&url, config, &server.url()).await
+    };
+    assert_eq!(
+        listeners, 0,
+        "the grant channel is refused to the subscription"
+    );
+    assert!(grant_heard, "the grant goes on the release channel");
+    assert!(release_heard);
+    assert_eq!(
+        log.count("the ACL refuses the grant channels to this user"),
+        1
+    );
 }

@@ -104,3 +104,31 @@ async fn h7_a_user_without_the_records_pattern_still_holds_to_the_minimum() {
         .unwrap();
     assert!(freed.is_some());
 }
+
+/// \[D3\] Releases that go out together as one batch script run (more than
+/// two on the wire at once) work for the lock user, whose rules do not
+/// list `PUBSUB`: the batch's check for listeners, refused, counts as
+/// someone listening.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d3_batched_releases_work_without_pubsub() {
+    use lock_core::{AcquireOutcome, Lease, LockBackend, OwnerToken, ReleaseOutcome};
+
+    let backend = backend_as(LOCKER.0, LOCKER.1).await;
+    let owner = OwnerToken::new("batched");
+    let ttl = std::time::Duration::from_secs(30);
+    let mut leases = Vec::new();
+    for i in 0..16 {
+        let key = format!("d3-batch-{:016x}-{i}", rand::random::<u64>());
+        let AcquireOutcome::Acquired { fencing_token } =
+            backend.try_acquire(&key, &owner, ttl).await.unwrap()
+        else {
+            panic!("{key} is free");
+        };
+        leases.push(Lease::new(key.as_str(), owner.clone(), fencing_token));
+    }
+    let released =
+        futures_util::future::join_all(leases.iter().map(|lease| backend.release(lease))).await;
+    for answer in released {
+        assert_eq!(answer.unwrap(), ReleaseOutcome::Released);
+    }
+}

@@ -5,6 +5,8 @@
 //! the waits get no error of their own, and a probe heard later turns them
 //! back on.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,38 +96,6 @@ impl SlowProbes {
     }
 }
 
-/// The log lines of the test's own thread.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<u8>>>);
-
-impl Log {
-    fn capture(&self) -> tracing::subscriber::DefaultGuard {
-        let log = self.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || log.clone())
-            .finish();
-        tracing::subscriber::set_default(subscriber)
-    }
-
-    fn count(&self, text: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .matches(text)
-            .count()
-    }
-}
-
-impl std::io::Write for Log {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 fn authority(url: &str) -> String {
     let (_, rest) = url.split_once("://").unwrap();
     let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
@@ -182,7 +152,7 @@ async fn a_probe_missed_once_leaves_release_notifications_on() {
 /// old code the first wait failed.)
 #[tokio::test]
 async fn a_pub_sub_client_on_another_server_turns_notifications_off_after_3_misses() {
-    let log = Log::default();
+    let log = common::Log::default();
     let _captured = log.capture();
     let shared = server_url().await;
     let other = RedisServer::start().expect("a redis-server of this test's own");
@@ -257,7 +227,7 @@ async fn a_pub_sub_client_on_another_server_turns_notifications_off_after_3_miss
 /// again, the probe sent every 6 health-check intervals turns them back on.
 #[tokio::test]
 async fn notifications_off_come_back_on_once_a_probe_is_heard() {
-    let log = Log::default();
+    let log = common::Log::default();
     let _captured = log.capture();
     let shared = server_url().await;
     let ns = Namespace::new(&shared);

@@ -1,7 +1,8 @@
 //! What the single-node (and Sentinel) and the Cluster backends share of
 //! the fair queue \[F1–F3, F6\]: its keys, how a queued attempt's answer
-//! reads, and the switch that leaves the queue out of releases for a user
-//! whose ACL does not reach its keys.
+//! reads, the switch that leaves the queue out of releases for a user
+//! whose ACL does not reach its keys, and the log of a grant channel the
+//! ACL refuses.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -73,5 +74,27 @@ impl QueueRights {
         if !self.refused.swap(true, Ordering::Relaxed) {
             tracing::warn!(error = %lock_core::ErrorChain(error), "the ACL refuses the fair queue's keys; releases free the key without granting it to a queued waiter (add the queue's key patterns to the user: see lock-redis's README)");
         }
+    }
+}
+
+/// The log, once, of grants whose channel the ACL refused to the
+/// releasing user \[F4, F6\]: the release script then published the
+/// grant on the release channel, as before the grant channels, and
+/// answered 2 for 1.
+#[derive(Debug, Default)]
+pub(crate) struct GrantChannelRights {
+    refused: AtomicBool,
+}
+
+impl GrantChannelRights {
+    /// A release's (or leave's) answer with 2 read as 1, logged once.
+    pub(crate) fn read(&self, answer: i64) -> i64 {
+        if answer != 2 {
+            return answer;
+        }
+        if !self.refused.swap(true, Ordering::Relaxed) {
+            tracing::warn!("the ACL refuses the grant channels to this user; grants go on the release channel, which wakes every node (add `&<prefix>withlock:granted:*` to the user: see lock-redis's README)");
+        }
+        1
     }
 }

@@ -38,7 +38,8 @@ pub(crate) static HOLD: Lua = Lua::new(concat!(
     include_str!("../../lua/extend.lua")
 ));
 /// The release script of one server: a grant to the fair queue's head
-/// \[F1\], or the key freed; `PUBLISH` on the release channel either way.
+/// \[F1\], `PUBLISH`ed on its node's grant channel \[F4\], or the key
+/// freed, `PUBLISH`ed on the release channel.
 pub(crate) static RELEASE: Lua = Lua::new(include_str!("../../lua/release.lua"));
 /// Several releases in one script run (see [`crate::batch`]), each as
 /// [`RELEASE`].

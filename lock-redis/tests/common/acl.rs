@@ -16,6 +16,7 @@ pub const SINGLE_NODE: &[&str] = &[
     "~{*}:withlock-waiters:jobs:*",
     "resetchannels",
     "&jobs:withlock:released",
+    "&jobs:withlock:granted:*",
     "-@all",
     "+ping",
     "+evalsha",

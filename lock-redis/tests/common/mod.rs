@@ -117,3 +117,36 @@ pub async fn subscriber(url: &str, channel: &str) -> redis::aio::PubSub {
     pubsub.subscribe(channel).await.unwrap();
     pubsub
 }
+
+/// The log lines (at INFO and above) of the test's own thread, while
+/// [`capture`](Log::capture)d.
+#[derive(Clone, Default)]
+pub struct Log(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Log {
+    pub fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let log = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || log.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    pub fn count(&self, text: &str) -> usize {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .matches(text)
+            .count()
+    }
+}
+
+impl std::io::Write for Log {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
