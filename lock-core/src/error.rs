@@ -376,7 +376,8 @@ pub enum InvalidInput {
     /// The call requires the fair queue
     /// ([`LockConfig::require_fair_queue`](crate::LockConfig::require_fair_queue))
     /// and the backend keeps none
-    /// ([`Capabilities::queues`](crate::Capabilities::queues)).
+    /// ([`Capabilities::fair_queue`](crate::Capabilities::fair_queue), with
+    /// [`release_notifications`](crate::Capabilities::release_notifications)).
     #[error(
         "the fair queue is required (LockConfig::require_fair_queue), but the {backend} backend \
          keeps none (or not with its release notifications off)"
