@@ -86,6 +86,18 @@ pub enum QueueReader {
         /// The keys.
         keys: Vec<String>,
     },
+    /// A Redis Cluster: each key's queue read on the node that serves its
+    /// slot, found by trying the nodes in turn (a node that does not serve
+    /// it, or a replica, answers `MOVED`; a stopped one times out).
+    RedisCluster {
+        /// A client of each node.
+        clients: Vec<redis::Client>,
+        /// Their connections, made again after a failure.
+        conns: Vec<Option<redis::aio::MultiplexedConnection>>,
+        /// Each key with its queue and waiters keys, and the node that
+        /// served its slot last.
+        keys: Vec<((String, String, String), usize)>,
+    },
     /// An etcd cluster, one client per member, tried in turn.
     Etcd {
         /// The members' endpoints.
@@ -104,6 +116,7 @@ impl std::fmt::Debug for QueueReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = match self {
             Self::Redis { .. } => "redis",
+            Self::RedisCluster { .. } => "redis-cluster",
             Self::Postgres { .. } => "postgres",
             Self::Etcd { .. } => "etcd",
         };
@@ -118,8 +131,7 @@ impl std::fmt::Debug for QueueReader {
 pub const QUEUE_APPLICATION_NAME: &str = "withlock-chaos-queue";
 
 impl QueueReader {
-    /// A reader of the queues of `keys` on `server`; `None` on Redis
-    /// Cluster.
+    /// A reader of the queues of `keys` on `server`.
     ///
     /// # Errors
     ///
@@ -176,7 +188,29 @@ impl QueueReader {
                     keys: keys.to_vec(),
                 }
             }
-            Backend::RedisCluster => return Ok(None),
+            Backend::RedisCluster => {
+                // The backend's own names: the lock key, and the queue's
+                // keys in its slot.
+                let lock = crate::server::redis_cluster::backend(&url)?;
+                let keys = keys
+                    .iter()
+                    .map(|k| {
+                        let lock_key = lock.lock_key(k);
+                        let queue = lock_redis::slot::queue_key(&lock_key);
+                        let waiters = lock_redis::slot::waiters_key(&lock_key);
+                        ((k.clone(), queue, waiters), 0)
+                    })
+                    .collect();
+                let clients = url
+                    .split(',')
+                    .map(redis::Client::open)
+                    .collect::<Result<Vec<_>, _>>()?;
+                Self::RedisCluster {
+                    conns: clients.iter().map(|_| None).collect(),
+                    clients,
+                    keys,
+                }
+            }
         }))
     }
 
@@ -190,6 +224,11 @@ impl QueueReader {
         let read = async {
             match self {
                 Self::Redis { client, conn, keys } => redis_read(client, conn, keys).await,
+                Self::RedisCluster {
+                    clients,
+                    conns,
+                    keys,
+                } => cluster_read(clients, conns, keys).await,
                 Self::Postgres { pool, sql, keys } => pg_read(pool, sql, keys).await,
                 Self::Etcd {
                     endpoints,
@@ -215,7 +254,7 @@ impl QueueReader {
                     clients[*next] = None;
                     *next = (*next + 1) % endpoints.len().max(1);
                 }
-                Self::Postgres { .. } => {}
+                Self::Postgres { .. } | Self::RedisCluster { .. } => {}
             }
         }
         answer
@@ -260,6 +299,50 @@ async fn redis_read(
             })
             .collect();
         out.push((key.clone(), live));
+    }
+    Ok(out)
+}
+
+/// Each key's queue on the node that serves its slot: the node that
+/// served it last first, then the others in turn, each within a fraction
+/// of the read's time (a stopped master must not use it all up).
+async fn cluster_read(
+    clients: &[redis::Client],
+    conns: &mut [Option<redis::aio::MultiplexedConnection>],
+    keys: &mut [((String, String, String), usize)],
+) -> Result<Vec<(String, Vec<String>)>, QueueReadError> {
+    let n = clients.len().max(1);
+    let mut out = Vec::with_capacity(keys.len());
+    for (key, served_by) in keys.iter_mut() {
+        let mut last = QueueReadError::Unexpected("no node serves the key's slot");
+        let mut found = None;
+        for step in 0..n {
+            let i = (*served_by + step) % n;
+            let one = std::slice::from_ref(&*key);
+            let read = redis_read(&clients[i], &mut conns[i], one);
+            match tokio::time::timeout(READ_TIMEOUT / 8, read).await {
+                Ok(Ok(mut places)) => {
+                    *served_by = i;
+                    found = places.pop();
+                    break;
+                }
+                Ok(Err(error)) => {
+                    // A redirection or a refused transaction keeps its
+                    // connection; a broken one is made again.
+                    if matches!(&error, QueueReadError::Redis(e)
+                        if e.is_io_error() || e.is_connection_dropped() || e.is_timeout())
+                    {
+                        conns[i] = None;
+                    }
+                    last = error;
+                }
+                Err(_) => {
+                    conns[i] = None;
+                    last = QueueReadError::Timeout;
+                }
+            }
+        }
+        out.push(found.ok_or(last)?);
     }
     Ok(out)
 }
